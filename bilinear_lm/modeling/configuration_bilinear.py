@@ -1,0 +1,105 @@
+"""Configuration of bilinear recurrent language models."""
+
+from transformers import PreTrainedConfig
+
+MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
+ACTIVATIONS = ("silu", "gelu", "relu")
+RECURRENCE_IMPLS = ("fast", "reference")
+
+
+class BilinearConfig(PreTrainedConfig):
+    r"""Configuration of [`BilinearModel`] / [`BilinearForCausalLM`].
+
+    Each block is a pre-norm residual bilinear mixer followed (if `use_mlp`) by a pre-norm SwiGLU MLP.
+    A mixer has `num_heads` heads; each head carries a state of size `state_size` updated with no additive
+    term, `h_t = A(x_t) h_{t-1}`, where the structure of `A` is `mixer_type`:
+
+    - `cp` (default): `A(x) = W1 diag(u(x)) W2^T` with `u(x) = Wx x + b` of size `rank` (CP-factored).
+    - `full`: `A(x) = sum_k W_k u_k(x)`, one `state_size x state_size` matrix per input factor (`rank` of them).
+    - `block_diagonal`: full bilinear blocks of size `block_size` on the diagonal.
+    - `rotation`: 2x2 rotation/scaling blocks (a complex diagonal), each entry linear in `x`.
+    - `diagonal`: a real diagonal, linear in `x` (may be negative).
+    - `positive_diagonal`: a diagonal in (0, 1) (`sigmoid`), Mamba-like.
+
+    Because the update is homogeneous in `h` and every head's output normalizes its own state, the model is
+    exactly invariant to the scale of each head's state: every `norm_chunk_size` positions the state is divided
+    by its (detached) norm, which keeps it finite without changing any output (`0` disables this).
+    `additive_input=True` adds `B x_t` to the update (the paper's ablation); it breaks scale invariance, so
+    normalization then changes the outputs.
+
+    `recurrence_impl="fast"` runs the CP recurrence through its fused scan; `"reference"` (and every other
+    mixer type) uses the plain loop that specifies it.
+
+    `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
+    """
+
+    model_type = "bilinear"
+
+    vocab_size: int = 50257
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_heads: int = 4
+    state_size: int = 64
+    rank: int = 64
+    mixer_type: str = "cp"
+    block_size: int = 2
+    additive_input: bool = False
+    norm_chunk_size: int = 64
+    recurrence_impl: str = "fast"
+    use_gate: bool = True
+    use_mlp: bool = True
+    intermediate_size: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    input_factor_init_std: float = 0.02
+    tie_word_embeddings: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None:
+            self.intermediate_size = 32 * -(-8 * self.hidden_size // (3 * 32))
+        self._validate()
+        super().__post_init__(**kwargs)
+
+    def _validate(self):
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "state_size", "rank",
+                    "block_size", "intermediate_size")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BilinearConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.norm_chunk_size, bool) or not isinstance(self.norm_chunk_size, int) \
+                or self.norm_chunk_size < 0:
+            raise ValueError(
+                f"BilinearConfig.norm_chunk_size must be an integer >= 0 (0 disables renormalization), "
+                f"got {self.norm_chunk_size!r}"
+            )
+        if self.mixer_type not in MIXER_TYPES:
+            raise ValueError(f"BilinearConfig.mixer_type must be one of {MIXER_TYPES}, got {self.mixer_type!r}")
+        if self.recurrence_impl not in RECURRENCE_IMPLS:
+            raise ValueError(
+                f"BilinearConfig.recurrence_impl must be one of {RECURRENCE_IMPLS}, got {self.recurrence_impl!r}"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"BilinearConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:
+            raise ValueError(
+                f"BilinearConfig.state_size ({self.state_size}) must be divisible by block_size "
+                f"({self.block_size}) for mixer_type='block_diagonal'"
+            )
+        if self.mixer_type == "rotation" and self.state_size % 2:
+            raise ValueError(
+                f"BilinearConfig.state_size ({self.state_size}) must be even for mixer_type='rotation' "
+                "(2x2 blocks)"
+            )
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"BilinearConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.initializer_range > 0 or not self.input_factor_init_std >= 0:
+            raise ValueError("BilinearConfig.initializer_range must be > 0 and input_factor_init_std >= 0")
+
+
+__all__ = ["BilinearConfig"]

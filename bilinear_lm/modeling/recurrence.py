@@ -1,0 +1,203 @@
+"""State recurrences of the bilinear mixer.
+
+Every mixer runs, per head, ``h_t = A(x_t) h_{t-1}`` (plus ``b_t`` only in the additive ablation), with
+
+* ``mask``: positions where ``mask[b, t] == 0`` (padding) leave the state unchanged;
+* chunked normalization: at every position ``p`` with ``p % chunk == 0`` (``p = offset + t + 1`` counts
+  positions since the start of the stream), each head's state is divided by its detached norm, except at
+  padded positions. Since outputs normalize each head's state, this never changes an output.
+* overflow guard: the positions are processed in those chunks; a chunk in which some state leaves
+  ``[2**-60, 2**60]`` (or turns non-finite) is recomputed normalizing at every position. A fast-growing
+  transition (or a decaying one) thus stays finite over any length, in fp32 as in bf16 autocast. The state is
+  only defined up to a positive per-head factor, so this changes no output either.
+
+Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, input factors ``F``. States are ``[B, T, N, H]``,
+initial and final states ``[B, N, H]`` (an initial state ``[N, H]`` is broadcast over the batch).
+
+:func:`reference_recurrence` is the specification: a plain loop, generic over the transition, usable in fp64.
+:func:`cp_recurrence` is the fast path of the CP-factored transition ``A(x) = W1 diag(u) W2^T`` and returns
+the same states: it runs the loop in rank space (``p_t = M g_t``, ``M = W2^T W1``) inside a custom autograd
+function that builds no per-step graph and computes the gradients of ``u`` and ``M`` in bulk after its loop.
+"""
+
+from typing import Callable
+
+import torch
+
+
+def cp_transition(h, u_t, W1, W2):
+    """``A(x_t) h = W1 (u_t * (W2^T h))`` with ``W1, W2: [N, H, R]`` and ``u_t: [B, N, R]``."""
+    return torch.einsum("nhr,bnr->bnh", W1, u_t * torch.einsum("nhr,bnh->bnr", W2, h))
+
+
+def full_transition(h, u_t, W):
+    """``A(x_t) h = sum_k u_k W_k h`` with ``W: [N, H, H, K]`` and ``u_t: [B, N, K]``."""
+    return torch.einsum("nijk,bnk,bnj->bni", W, u_t, h)
+
+
+def block_diagonal_transition(h, u_t, W):
+    """Full bilinear transitions on diagonal blocks: ``W: [N, nb, b, b, K]``, ``u_t: [B, N, K]``."""
+    B, N, H = h.shape
+    nb, b = W.shape[1], W.shape[2]
+    hb = h.reshape(B, N, nb, b)
+    return torch.einsum("nzijk,bnk,bnzj->bnzi", W, u_t, hb).reshape(B, N, H)
+
+
+def rotation_transition(h, u_t):
+    """2x2 rotation/scaling blocks: ``u_t: [B, N, H]`` holds ``(a, c)`` per block, ``[[a, -c], [c, a]]``."""
+    a, c = u_t[..., 0::2], u_t[..., 1::2]
+    x, y = h[..., 0::2], h[..., 1::2]
+    return torch.stack((a * x - c * y, c * x + a * y), dim=-1).flatten(-2)
+
+
+def diagonal_transition(h, u_t):
+    """Diagonal transition ``u_t * h`` (``u_t: [B, N, H]``)."""
+    return u_t * h
+
+
+def _scale_at_boundary(h, keep_t):
+    """The detached per-head factor that normalizes ``h`` (1 at padded rows)."""
+    norm = h.detach().norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
+    scale = norm.reciprocal()
+    if keep_t is not None:
+        scale = torch.where(keep_t, scale, torch.ones_like(scale))
+    return scale
+
+
+def _is_boundary(chunk: int, offset: int, t: int) -> bool:
+    return chunk > 0 and (offset + t + 1) % chunk == 0
+
+
+def _segments(T: int, chunk: int, offset: int):
+    """``[t0, t1)`` ranges each ending at a normalization boundary (the last may end early)."""
+    t0 = 0
+    while t0 < T:
+        t1 = min(T, t0 + chunk - (offset + t0) % chunk) if chunk else T
+        yield t0, t1
+        t0 = t1
+
+
+_SAFE_MIN, _SAFE_MAX = 2.0 ** -60, 2.0 ** 60
+
+
+def _in_safe_range(x):
+    """Whether, at every step, every head and row of ``x`` (state last) has its largest entry in the safe range."""
+    peak = x.detach().abs().amax(dim=-1)
+    return bool(torch.isfinite(peak).all() and peak.max() < _SAFE_MAX and peak.min() > _SAFE_MIN)
+
+
+def reference_recurrence(
+    transition: Callable, factors, h0, mask=None, chunk: int = 64, offset: int = 0, additive=None
+):
+    """Reference loop: ``h_t = transition(h_{t-1}, factors[:, t]) (+ additive[:, t])``.
+
+    Args:
+        transition: ``(h [B,N,H], factors_t [B,N,F]) -> A(x_t) h``.
+        factors: ``[B, T, N, F]`` per-step input factors.
+        h0: ``[N, H]`` or ``[B, N, H]`` initial state.
+        mask: optional ``[B, T]``; 0 marks padding (state kept).
+        chunk: normalization interval (0: never). offset: positions already consumed before ``factors``.
+        additive: optional ``[B, T, N, H]`` additive input (the paper's ablation).
+    Returns:
+        ``(states [B, T, N, H], final [B, N, H])``.
+    """
+    B, T = factors.shape[:2]
+    h = h0.expand(B, *h0.shape[-2:])
+    states = []
+    for t0, t1 in _segments(T, chunk, offset):
+        for every_step in (False, True):
+            segment, h_end = [], h
+            for t in range(t0, t1):
+                h_new = transition(h_end, factors[:, t])
+                if additive is not None:
+                    h_new = h_new + additive[:, t]
+                keep_t = None if mask is None else mask[:, t].bool()[:, None, None]
+                if keep_t is not None:
+                    h_new = torch.where(keep_t, h_new, h_end)
+                if every_step or _is_boundary(chunk, offset, t):
+                    h_new = h_new * _scale_at_boundary(h_new, keep_t)
+                h_end = h_new
+                segment.append(h_end)
+            if not chunk or every_step or _in_safe_range(torch.stack(segment)):
+                break
+        states += segment
+        h = h_end
+    return torch.stack(states, dim=1), h
+
+
+class _CPScan(torch.autograd.Function):
+    """Rank-space scan ``g_t = s_t u_t p_{t-1}``, ``p_t = M g_t`` (``p_t = p_{t-1}`` where padded).
+
+    ``p_t = W2^T h_t`` and ``h_t = W1 g_t``; ``s_t`` is the detached normalization factor (1 off boundaries).
+    Layout ``[T, N, B, R]`` so each step is one batched matmul over heads. Returns all ``g_t``.
+    """
+
+    @staticmethod
+    def forward(ctx, u, Mt, p0, keep, W1, chunk, offset):
+        T = u.shape[0]
+        G = torch.empty_like(u)
+        P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
+        S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
+        P[0] = p0
+        for t0, t1 in _segments(T, chunk, offset):
+            for every_step in (False, True):
+                for t in range(t0, t1):
+                    g = torch.mul(u[t], P[t], out=G[t])
+                    keep_t = None if keep is None else keep[t]
+                    if every_step or _is_boundary(chunk, offset, t):
+                        S[t] = _scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
+                        g.mul_(S[t])
+                    torch.bmm(g, Mt, out=P[t + 1])
+                    if keep_t is not None:
+                        torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
+                if not chunk or every_step or _in_safe_range(G[t0:t1]):
+                    break
+        ctx.save_for_backward(u, Mt, G, P, S, keep)
+        return G
+
+    @staticmethod
+    def backward(ctx, dG):
+        u, Mt, G, P, S, keep = ctx.saved_tensors
+        T = u.shape[0]
+        su = S * u
+        MtT = Mt.transpose(1, 2)
+        DGT = torch.empty_like(u)  # total gradient of each g_t
+        DP = torch.empty_like(u)  # gradient of p_{t} flowing into step t+1's matmul (masked)
+        dp = torch.zeros_like(P[0])
+        for t in range(T - 1, -1, -1):
+            if keep is None:
+                DP[t] = dp
+                torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
+                dp = su[t] * DGT[t]
+            else:
+                torch.where(keep[t], dp, torch.zeros_like(dp), out=DP[t])
+                torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
+                dp = su[t] * DGT[t] + torch.where(keep[t], torch.zeros_like(dp), dp)
+        du = S * P[:T] * DGT
+        dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
+        return du, dMt, dp, None, None, None, None
+
+
+def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0):
+    """Fast CP-factored recurrence, equal to ``reference_recurrence(cp_transition, u, h0, ...)``.
+
+    Args:
+        u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
+        mask, chunk, offset: as in :func:`reference_recurrence`.
+    Returns:
+        ``(states [B, T, N, H], final [B, N, H])``.
+    """
+    B, T, N, R = u.shape
+    h0 = h0.expand(B, N, W1.shape[1])
+    p0 = torch.einsum("nhr,bnh->nbr", W2, h0)
+    Mt = torch.einsum("nhr,nhs->nrs", W1, W2)  # M^T with M = W2^T W1
+    keep = None if mask is None else mask.bool().t()[:, None, :, None]
+    G = _CPScan.apply(u.permute(1, 2, 0, 3).contiguous(), Mt, p0, keep, W1.detach(), chunk, offset)
+    states = torch.einsum("nhr,tnbr->btnh", W1, G)
+    if mask is not None:
+        # A padded position keeps the last unpadded state (h0 before any): gather it.
+        positions = torch.arange(1, T + 1, device=u.device).expand(B, T)
+        last = torch.where(mask.bool(), positions, 0).cummax(dim=1).values
+        with_h0 = torch.cat([h0[:, None], states], dim=1)
+        states = with_h0.gather(1, last[:, :, None, None].expand(-1, -1, *states.shape[2:]))
+    return states, states[:, -1]

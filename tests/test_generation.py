@@ -1,0 +1,121 @@
+"""The real ``model.generate()`` against full forward passes (the recurrent cache must be exact)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bilinear_lm import BilinearCache, BilinearForCausalLM
+
+PAD = 0
+
+
+@pytest.fixture
+def model(tiny_bilinear_config):
+    torch.manual_seed(0)
+    tiny_bilinear_config.pad_token_id = PAD
+    return BilinearForCausalLM(tiny_bilinear_config).double().eval()
+
+
+def argmax_loop(model, ids, steps):
+    """Greedy decoding by re-running the full forward each step (no cache)."""
+    for _ in range(steps):
+        with torch.no_grad():
+            nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def test_greedy_generate_equals_argmax_loop(model):
+    prompt = torch.randint(1, model.config.vocab_size, (3, 9))
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, argmax_loop(model, prompt, 12))
+
+
+def test_left_padded_batch_generates_its_rows_alone(model):
+    rows = [torch.randint(1, model.config.vocab_size, (1, n)) for n in (11, 4, 7)]
+    width = max(r.shape[1] for r in rows)
+    batch = torch.full((3, width), PAD)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, width - r.shape[1]:] = r
+        mask[i, width - r.shape[1]:] = 1
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for i, r in enumerate(rows):
+        alone = model.generate(r, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out[i, width:], alone[0, r.shape[1]:])
+
+
+def test_teacher_forced_scores_equal_full_forward_logits(model):
+    prompt = torch.randint(1, model.config.vocab_size, (2, 6))
+    out = model.generate(prompt, max_new_tokens=10, do_sample=False, output_scores=True,
+                         output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits.double(), full[:, prompt.shape[1] - 1 + step], rtol=1e-6, atol=1e-6)
+    assert isinstance(out.past_key_values, BilinearCache)
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_prefill_then_cached_steps_equal_full_forward(model):
+    ids = torch.randint(1, model.config.vocab_size, (2, 30))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :17], use_cache=True)
+        pieces = [out.logits]
+        cache = out.past_key_values
+        for t in range(17, 30):
+            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_beam_search_runs_and_beats_or_ties_greedy(model):
+    prompt = torch.randint(1, model.config.vocab_size, (2, 5))
+    beams = model.generate(prompt, max_new_tokens=6, num_beams=4, do_sample=False, length_penalty=0.0,
+                           output_scores=True, return_dict_in_generate=True)
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+
+    def logprob(seqs):
+        with torch.no_grad():
+            logp = model(seqs).logits.log_softmax(-1)[:, 4:-1]
+        return logp.gather(-1, seqs[:, 5:, None]).sum((1, 2))
+
+    assert beams.sequences.shape == (2, 11)
+    assert (logprob(beams.sequences) >= logprob(greedy) - 1e-9).all()
+    torch.testing.assert_close(beams.sequences_scores.double(), logprob(beams.sequences), rtol=1e-5, atol=1e-5)
+
+
+def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_bilinear_config).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits, "gen": model.generate(ids, max_new_tokens=5)},
+                   tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["bilinear_lm"] = None  # the package is not importable here
+        import torch
+        from transformers import AutoModelForCausalLM
+        try:
+            import bilinear_lm
+            raise SystemExit("bilinear_lm should not be importable")
+        except ImportError:
+            pass
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            assert torch.equal(model(expected["ids"]).logits, expected["logits"])
+        assert torch.equal(model.generate(expected["ids"], max_new_tokens=5), expected["gen"])
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env={"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin"})
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

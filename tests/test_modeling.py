@@ -1,0 +1,166 @@
+"""Model-level behaviour: scale invariance, padding, long sequences, config validation, HF features."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from bilinear_lm import BilinearConfig, BilinearForCausalLM, BilinearModel
+
+
+def build(config, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return BilinearForCausalLM(config).to(dtype).eval()
+
+
+def with_changes(config, **changes):
+    return BilinearConfig(**{**config.to_dict(), **changes})
+
+
+def test_auto_classes_are_registered(tiny_bilinear_config):
+    assert isinstance(AutoConfig.for_model("bilinear", vocab_size=5), BilinearConfig)
+    assert isinstance(AutoModel.from_config(tiny_bilinear_config), BilinearModel)
+    model = AutoModelForCausalLM.from_config(tiny_bilinear_config)
+    assert isinstance(model, BilinearForCausalLM)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied by default
+
+
+def test_chunked_normalization_does_not_change_logits(tiny_bilinear_config):
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 40))
+    logits = {}
+    for chunk in (0, 1, 7):
+        model = build(with_changes(tiny_bilinear_config, norm_chunk_size=chunk), torch.float64)
+        with torch.no_grad():
+            logits[chunk] = model(ids).logits
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits[7], logits[0], rtol=1e-12, atol=1e-12)
+
+
+def test_state_rescaling_is_invisible(tiny_bilinear_config):
+    """Scale invariance itself: any positive rescaling of a cached state leaves every later logit unchanged."""
+    model = build(tiny_bilinear_config, torch.float64)
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 20))
+    with torch.no_grad():
+        out = model(ids[:, :10], use_cache=True)
+        reference = model(ids[:, 10:], past_key_values=copy.deepcopy(out.past_key_values)).logits
+        cache = out.past_key_values
+        cache.states = [s * torch.tensor([1e-20, 3e15], dtype=s.dtype)[:, None, None] for s in cache.states]
+        rescaled = model(ids[:, 10:], past_key_values=cache).logits
+    torch.testing.assert_close(rescaled, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_additive_input_breaks_scale_invariance(tiny_bilinear_config):
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (1, 30))
+    logits = []
+    for chunk in (0, 5):
+        model = build(with_changes(tiny_bilinear_config, additive_input=True, norm_chunk_size=chunk), torch.float64)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert (logits[0] - logits[1]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_100k_token_forward_stays_finite(tiny_bilinear_config, autocast):
+    config = with_changes(tiny_bilinear_config, norm_chunk_size=64, input_factor_init_std=0.5, num_hidden_layers=1)
+    model = build(config)
+    for layer in model.model.layers:  # a transition that grows the state ~e^5 per step without normalization
+        layer.mixer.factor_bias.data.fill_(50.0)
+    ids = torch.randint(0, config.vocab_size, (1, 100_000))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(ids, use_cache=True)
+    assert torch.isfinite(out.logits.float()).all()
+    assert all(torch.isfinite(s).all() and s.norm(dim=-1).max() < 1e30 for s in out.past_key_values.states)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_left_padding_gives_the_unpadded_logits(tiny_bilinear_config, dtype, tol):
+    model = build(tiny_bilinear_config, dtype)
+    long_row = torch.randint(1, tiny_bilinear_config.vocab_size, (1, 20))
+    short_row = torch.randint(1, tiny_bilinear_config.vocab_size, (1, 13))
+    batch = torch.cat([long_row, torch.cat([torch.zeros(1, 7, dtype=torch.long), short_row], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask).logits
+        alone = model(short_row).logits
+        alone_long = model(long_row).logits
+    torch.testing.assert_close(padded[1, 7:], alone[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(padded[0], alone_long[0], rtol=tol, atol=tol)
+
+
+def test_reference_and_fast_implementations_give_same_model_gradients(tiny_bilinear_config):
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 33))
+    grads = []
+    for impl in ("reference", "fast"):
+        model = build(with_changes(tiny_bilinear_config, recurrence_impl=impl), torch.float64).train()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_gradient_checkpointing_gives_same_gradients(tiny_bilinear_config):
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 17))
+    grads = []
+    for checkpointing in (False, True):
+        model = build(tiny_bilinear_config, torch.float64).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert model.is_activation_checkpointing
+        model(ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_output_hidden_states(tiny_bilinear_config):
+    model = build(tiny_bilinear_config)
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 5))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        base = model.model(ids)
+    assert len(out.hidden_states) == tiny_bilinear_config.num_hidden_layers + 1
+    torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids))
+    torch.testing.assert_close(out.hidden_states[-1], base.last_hidden_state)
+    torch.testing.assert_close(out.logits, base.last_hidden_state @ model.lm_head.weight.T)
+
+
+def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
+    model = build(tiny_bilinear_config)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert not list(tmp_path.glob("*.bin"))
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 12))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = bf16(ids).logits
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), model(ids).logits, rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
+    ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0),
+])
+def test_config_rejects_nonsense_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        BilinearConfig(**{field: value})
+
+
+def test_config_rejects_incompatible_block_sizes():
+    with pytest.raises(ValueError, match="block_size"):
+        BilinearConfig(mixer_type="block_diagonal", state_size=10, block_size=3)
+    with pytest.raises(ValueError, match="even"):
+        BilinearConfig(mixer_type="rotation", state_size=7)
+
+
+def test_paper_minimal_model_is_a_config():
+    config = BilinearConfig(vocab_size=7, hidden_size=8, num_hidden_layers=1, use_mlp=False, mixer_type="full",
+                            num_heads=1, state_size=8, rank=8)
+    model = BilinearForCausalLM(config)
+    assert [name for name, _ in model.model.layers[0].named_children()] == ["mixer_norm", "mixer"]
