@@ -56,16 +56,20 @@ def test_cp_reference_equals_explicit_matrices():
     torch.testing.assert_close(final, expected[:, -1], rtol=1e-12, atol=1e-12)
 
 
+IMPLS = ["torch", "cpp"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("T", [1, 63, 65])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("chunk,offset", [(0, 0), (1, 0), (16, 5)])
-def test_cp_fast_path_matches_reference_fp64(T, masked, chunk, offset):
+def test_cp_fast_path_matches_reference_fp64(impl, T, masked, chunk, offset):
     B, N, H, R = 3, 3, 5, 7  # not powers of two; rank > state
     u, W1, W2, h0 = make_inputs(B, T, N, H, R, torch.float64)
     mask = random_mask(B, T) if masked else None
     ref_states, ref_final = reference_recurrence(
         partial(cp_transition, W1=W1, W2=W2), u, h0, mask, chunk, offset)
-    fast_states, fast_final = cp_recurrence(u, W1, W2, h0, mask, chunk, offset)
+    fast_states, fast_final = cp_recurrence(u, W1, W2, h0, mask, chunk, offset, impl)
     assert relative_error(fast_states, ref_states) < 1e-11
     assert relative_error(fast_final, ref_final) < 1e-11
     w_states, w_final = torch.randn_like(ref_states), torch.randn_like(ref_final)
@@ -76,13 +80,14 @@ def test_cp_fast_path_matches_reference_fp64(T, masked, chunk, offset):
         assert relative_error(gf, gr) < 1e-10, name
 
 
-def test_cp_fast_path_matches_reference_fp32_batched_initial_state():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cp_fast_path_matches_reference_fp32_batched_initial_state(impl):
     B, T, N, H, R = 4, 50, 2, 6, 3  # rank < state, initial state per row (as from a cache)
     u, W1, W2, _ = make_inputs(B, T, N, H, R, torch.float32)
     h0 = torch.randn(B, N, H, requires_grad=True)
     mask = random_mask(B, T)
     ref_states, ref_final = reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, 8, 0)
-    fast_states, fast_final = cp_recurrence(u, W1, W2, h0, mask, 8, 0)
+    fast_states, fast_final = cp_recurrence(u, W1, W2, h0, mask, 8, 0, impl)
     assert relative_error(fast_states, ref_states) < 1e-4
     loss_ref = ref_states.square().sum(-1).sqrt().sum()
     loss_fast = fast_states.square().sum(-1).sqrt().sum()
@@ -137,16 +142,25 @@ def test_every_mixer_type_follows_its_transition_matrices(mixer_type):
     torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("growth", [1e4, 1e-4])
-def test_overflow_guard_keeps_states_finite_and_equal_up_to_scale(growth):
+def test_overflow_guard_keeps_states_finite_and_equal_up_to_scale(impl, growth):
     """A transition that grows (or shrinks) the state 10^4-fold per step would leave fp32 within a chunk of 64."""
     B, T, N, H, R = 2, 150, 2, 4, 4
     u, W1, W2, h0 = make_inputs(B, T, N, H, R, torch.float32)
     u = (u.detach() * growth).requires_grad_()
     ref_states, _ = reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, None, 64, 0)
-    fast_states, _ = cp_recurrence(u, W1, W2, h0, None, 64, 0)
+    fast_states, _ = cp_recurrence(u, W1, W2, h0, None, 64, 0, impl)
     assert torch.isfinite(ref_states).all() and torch.isfinite(fast_states).all()
     unit = lambda s: s / s.norm(dim=-1, keepdim=True)  # the state is defined up to a positive per-head factor
     assert relative_error(unit(fast_states), unit(ref_states)) < 1e-3
     grads = [torch.autograd.grad(unit(s).sum(-1).square().sum(), [u, W1]) for s in (ref_states, fast_states)]
     assert all(torch.isfinite(g).all() for pair in grads for g in pair)
+
+
+def test_compiled_kernel_and_torch_scan_agree_exactly_in_fp64():
+    B, T, N, H, R = 5, 130, 3, 6, 9
+    u, W1, W2, h0 = make_inputs(B, T, N, H, R, torch.float64, seed=4)
+    mask = random_mask(B, T)
+    outs = [cp_recurrence(u, W1, W2, h0, mask, 16, 3, impl)[0] for impl in IMPLS]
+    assert relative_error(outs[1], outs[0]) < 1e-13

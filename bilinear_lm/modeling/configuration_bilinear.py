@@ -4,7 +4,7 @@ from transformers import PreTrainedConfig
 
 MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
 ACTIVATIONS = ("silu", "gelu", "relu")
-RECURRENCE_IMPLS = ("fast", "reference")
+RECURRENCE_IMPLS = ("auto", "cpp", "torch", "reference")
 
 
 class BilinearConfig(PreTrainedConfig):
@@ -27,8 +27,9 @@ class BilinearConfig(PreTrainedConfig):
     `additive_input=True` adds `B x_t` to the update (the paper's ablation); it breaks scale invariance, so
     normalization then changes the outputs.
 
-    `recurrence_impl="fast"` runs the CP recurrence through its fused scan; `"reference"` (and every other
-    mixer type) uses the plain loop that specifies it.
+    `recurrence_impl` picks how the CP recurrence runs: `"cpp"` (a C++ CPU kernel compiled on first use),
+    `"torch"` (a PyTorch scan, any device), `"auto"` (the kernel on CPU when it builds, else the PyTorch scan) or
+    `"reference"` (the plain loop that specifies it; every other mixer type always uses that loop).
 
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
@@ -45,7 +46,7 @@ class BilinearConfig(PreTrainedConfig):
     block_size: int = 2
     additive_input: bool = False
     norm_chunk_size: int = 64
-    recurrence_impl: str = "fast"
+    recurrence_impl: str = "auto"
     use_gate: bool = True
     use_mlp: bool = True
     intermediate_size: int | None = None

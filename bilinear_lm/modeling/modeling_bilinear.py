@@ -170,9 +170,10 @@ class BilinearMixer(nn.Module):
             factors = factors.to(dtype).view(B, T, N, self.factor_size)
             h0 = (self.h0 if state is None else state).to(dtype)
             chunk = self.config.norm_chunk_size
-            if self.mixer_type == "cp" and not self.config.additive_input \
-                    and self.config.recurrence_impl == "fast":
-                states, final = cp_recurrence(factors, self.W1.to(dtype), self.W2.to(dtype), h0, mask, chunk, offset)
+            impl = self.config.recurrence_impl
+            if self.mixer_type == "cp" and not self.config.additive_input and impl != "reference":
+                states, final = cp_recurrence(
+                    factors, self.W1.to(dtype), self.W2.to(dtype), h0, mask, chunk, offset, impl)
             else:
                 add = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
                 states, final = reference_recurrence(self._transition(dtype), factors, h0, mask, chunk, offset, add)

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from .cp_scan_kernel import kernel_available_for, load_kernel
+
 
 def cp_transition(h, u_t, W1, W2):
     """``A(x_t) h = W1 (u_t * (W2^T h))`` with ``W1, W2: [N, H, R]`` and ``u_t: [B, N, R]``."""
@@ -129,30 +131,37 @@ class _CPScan(torch.autograd.Function):
     """Rank-space scan ``g_t = s_t u_t p_{t-1}``, ``p_t = M g_t`` (``p_t = p_{t-1}`` where padded).
 
     ``p_t = W2^T h_t`` and ``h_t = W1 g_t``; ``s_t`` is the detached normalization factor (1 off boundaries).
-    Layout ``[T, N, B, R]`` so each step is one batched matmul over heads. Returns all ``g_t``.
+    Layout ``[T, N, B, R]``; ``keep``: ``[T, B]`` bool or None. The loops run in the compiled kernel when one is
+    given, else in PyTorch (one batched matmul over heads per step). Returns all ``g_t``.
     """
 
     @staticmethod
-    def forward(ctx, u, Mt, p0, keep, W1, chunk, offset):
+    def forward(ctx, u, Mt, p0, keep, W1, chunk, offset, kernel):
         T = u.shape[0]
         G = torch.empty_like(u)
         P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
         S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
         P[0] = p0
+        keep4 = None if keep is None else keep[:, None, :, None]
         for t0, t1 in _segments(T, chunk, offset):
             for every_step in (False, True):
-                for t in range(t0, t1):
-                    g = torch.mul(u[t], P[t], out=G[t])
-                    keep_t = None if keep is None else keep[t]
-                    if every_step or _is_boundary(chunk, offset, t):
-                        S[t] = _scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
-                        g.mul_(S[t])
-                    torch.bmm(g, Mt, out=P[t + 1])
-                    if keep_t is not None:
-                        torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
+                if kernel is not None:
+                    kernel.forward_segment(u, Mt, W1, _kernel_keep(keep, u), P, G, S, t0, t1, chunk, offset,
+                                           every_step)
+                else:
+                    for t in range(t0, t1):
+                        g = torch.mul(u[t], P[t], out=G[t])
+                        keep_t = None if keep4 is None else keep4[t]
+                        if every_step or _is_boundary(chunk, offset, t):
+                            S[t] = _scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
+                            g.mul_(S[t])
+                        torch.bmm(g, Mt, out=P[t + 1])
+                        if keep_t is not None:
+                            torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
                 if not chunk or every_step or _in_safe_range(G[t0:t1]):
                     break
         ctx.save_for_backward(u, Mt, G, P, S, keep)
+        ctx.kernel = kernel
         return G
 
     @staticmethod
@@ -160,30 +169,40 @@ class _CPScan(torch.autograd.Function):
         u, Mt, G, P, S, keep = ctx.saved_tensors
         T = u.shape[0]
         su = S * u
-        MtT = Mt.transpose(1, 2)
+        MtT = Mt.transpose(1, 2).contiguous()
         DGT = torch.empty_like(u)  # total gradient of each g_t
-        DP = torch.empty_like(u)  # gradient of p_{t} flowing into step t+1's matmul (masked)
-        dp = torch.zeros_like(P[0])
-        for t in range(T - 1, -1, -1):
-            if keep is None:
-                DP[t] = dp
-                torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
-                dp = su[t] * DGT[t]
-            else:
-                torch.where(keep[t], dp, torch.zeros_like(dp), out=DP[t])
-                torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-                dp = su[t] * DGT[t] + torch.where(keep[t], torch.zeros_like(dp), dp)
+        DP = torch.empty_like(u)  # gradient of p_t flowing into step t's matmul (zero where padded)
+        if ctx.kernel is not None:
+            dp = ctx.kernel.backward(dG.contiguous(), su, MtT, _kernel_keep(keep, u), DGT, DP)
+        else:
+            keep4 = None if keep is None else keep[:, None, :, None]
+            dp = torch.zeros_like(P[0])
+            for t in range(T - 1, -1, -1):
+                if keep4 is None:
+                    DP[t] = dp
+                    torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
+                    dp = su[t] * DGT[t]
+                else:
+                    torch.where(keep4[t], dp, torch.zeros_like(dp), out=DP[t])
+                    torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
+                    dp = su[t] * DGT[t] + torch.where(keep4[t], torch.zeros_like(dp), dp)
         du = S * P[:T] * DGT
         dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
-        return du, dMt, dp, None, None, None, None
+        return du, dMt, dp, None, None, None, None, None
 
 
-def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0):
+def _kernel_keep(keep, like):
+    return torch.empty(0, dtype=torch.bool, device=like.device) if keep is None else keep
+
+
+def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto"):
     """Fast CP-factored recurrence, equal to ``reference_recurrence(cp_transition, u, h0, ...)``.
 
     Args:
         u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
         mask, chunk, offset: as in :func:`reference_recurrence`.
+        impl: ``"cpp"`` (compiled CPU kernel), ``"torch"`` (PyTorch loop, any device) or ``"auto"`` (the kernel
+            when the tensors are on the CPU and it builds here, else the PyTorch loop).
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
     """
@@ -191,8 +210,17 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0):
     h0 = h0.expand(B, N, W1.shape[1])
     p0 = torch.einsum("nhr,bnh->nbr", W2, h0)
     Mt = torch.einsum("nhr,nhs->nrs", W1, W2)  # M^T with M = W2^T W1
-    keep = None if mask is None else mask.bool().t()[:, None, :, None]
-    G = _CPScan.apply(u.permute(1, 2, 0, 3).contiguous(), Mt, p0, keep, W1.detach(), chunk, offset)
+    kernel = None
+    if impl in ("auto", "cpp") and kernel_available_for(u):
+        kernel = load_kernel()
+    elif impl == "cpp":
+        raise RuntimeError(
+            "recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel build; "
+            "use recurrence_impl='auto' or 'torch'"
+        )
+    keep = None if mask is None else mask.bool().t().contiguous()
+    G = _CPScan.apply(u.permute(1, 2, 0, 3).contiguous(), Mt.contiguous(), p0, keep, W1.detach().contiguous(),
+                      chunk, offset, kernel)
     states = torch.einsum("nhr,tnbr->btnh", W1, G)
     if mask is not None:
         # A padded position keeps the last unpadded state (h0 before any): gather it.
