@@ -1,0 +1,275 @@
+#!/usr/bin/env python
+"""Speed of the bilinear LM next to Llama, Mamba and an LSTM, on this machine, in one run.
+
+    python benchmarks/speed.py                       # everything (about 30-40 min on 2 CPU cores)
+    python benchmarks/speed.py --parts train --sizes 3M --seq-lens 256,1024
+
+Parts (each prints a markdown table; ``--output`` appends them to a file):
+- ``peak``: measured fp32 and bf16 matmul peak of this CPU (the MFU denominator).
+- ``train``: training tokens/s (forward + backward + AdamW step) at each sequence length, fp32 and bf16
+  autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
+  Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines); plus model FLOPs
+  utilization and the share of the bilinear step spent in the recurrence.
+- ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
+  bilinear (recurrent state) against Llama (KV cache).
+- ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
+  rank 256, batch 64, lengths 2-10).
+
+Never run two benchmarks at once on this machine: the numbers are wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bilinear_lm import BilinearConfig, BilinearForCausalLM  # noqa: E402
+from bilinear_lm.baselines import build_model, count_parameters  # noqa: E402
+from bilinear_lm.modeling.recurrence import cp_recurrence  # noqa: E402
+
+VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
+SIZES = {
+    "3M": dict(hidden_size=256, num_hidden_layers=4, num_heads=4, state_size=64, rank=64),
+    "25M": dict(hidden_size=512, num_hidden_layers=8, num_heads=8, state_size=64, rank=64),
+}
+TRAIN_MODELS = ("bilinear", "bilinear-reference", "llama", "mamba", "lstm")
+
+
+def timed(fn, min_seconds: float, max_iters: int, warmup: int = 1) -> float:
+    """Seconds per call of ``fn`` after ``warmup`` calls: at least 2 timed calls, more while under ``min_seconds``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    while len(times) < 2 or (sum(times) < min_seconds and len(times) < max_iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def build(name: str, size: str, max_positions: int = 4096):
+    model_cfg = SIZES[size]
+    if name.startswith("bilinear"):
+        impl = "reference" if name == "bilinear-reference" else "auto"
+        return BilinearForCausalLM(BilinearConfig(vocab_size=VOCAB, recurrence_impl=impl, **model_cfg))
+    model = build_model(name, model_cfg, VOCAB)
+    if name == "llama":
+        model.config.max_position_embeddings = max_positions
+    return model
+
+
+def matmul_peak(dtype, n=2048) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n ** 3 / timed(lambda: a @ b, 1.0, 20)
+
+
+def part_peak(args):
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    rows = [f"| {k} | {v / 1e9:.0f} |" for k, v in peaks.items()]
+    table = "\n".join(["| dtype | matmul GFLOP/s (2048^3) |", "|---|---|", *rows])
+    return peaks, table
+
+
+def model_flops_per_token(model, seq_len: int) -> float:
+    """6 x (parameters used in matmuls) per token, plus the bilinear recurrence (forward 2R^2+2R per head)."""
+    embedding = model.get_input_embeddings().weight.numel()
+    params = count_parameters(model)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    matmul_params = params if tied else params - embedding  # the tied embedding is used by the LM head
+    flops = 6 * matmul_params
+    if isinstance(model, BilinearForCausalLM):
+        c = model.config
+        flops += 3 * c.num_hidden_layers * c.num_heads * (2 * c.rank ** 2 + 4 * c.state_size * c.rank)
+    elif getattr(model.config, "model_type", "") == "llama":
+        c = model.config
+        flops += 6 * c.num_hidden_layers * seq_len * c.hidden_size  # causal attention scores + values
+    return flops
+
+
+def recurrence_seconds(model, batch: int, seq_len: int) -> float:
+    """Forward + backward time of the CP recurrences alone, at the model's shapes (all layers)."""
+    c = model.config
+    u = (1 + 0.02 * torch.randn(batch, seq_len, c.num_heads, c.rank)).requires_grad_()
+    mixer = model.model.layers[0].mixer
+    W1, W2, h0 = (p.detach().clone().requires_grad_() for p in (mixer.W1, mixer.W2, mixer.h0))
+
+    def run():
+        states, _ = cp_recurrence(u, W1, W2, h0, None, c.norm_chunk_size, 0, c.recurrence_impl)
+        states.sum().backward()
+
+    return c.num_hidden_layers * timed(run, 1.0, 5)
+
+
+def part_train(args, peaks):
+    lines = ["| size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU bf16 | "
+             "recurrence share |", "|---|---|---|---|---|---|---|---|---|---|"]
+    results = {}
+    for size in args.sizes:
+        for T in args.seq_lens:
+            batch = max(1, args.tokens_per_step // T)
+            ids = torch.randint(0, VOCAB, (batch, T))
+            for name in args.models:
+                torch.manual_seed(0)
+                model = build(name, size).train()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                tok_s = {}
+                for precision in ("fp32", "bf16"):
+                    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+                    def step():
+                        with autocast:
+                            loss = model(ids, labels=ids).loss
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+
+                    seconds = timed(step, args.min_seconds, args.max_iters)
+                    tok_s[precision] = batch * T / seconds
+                    print(f"  {size} {name} T={T} {precision}: {tok_s[precision]:.0f} tok/s", flush=True)
+                mfu = tok_s["bf16"] * model_flops_per_token(model, T) / peaks["bf16"]
+                share = "-"
+                if name == "bilinear":
+                    share = f"{recurrence_seconds(model, batch, T) * tok_s['fp32'] / (batch * T):.0%} (fp32)"
+                results[(size, name, T)] = tok_s
+                lines.append(
+                    f"| {size} | {name} | {count_parameters(model) / 1e6:.2f}M | {T} | {batch} | "
+                    f"{tok_s['fp32']:.0f} | {tok_s['bf16']:.0f} | {tok_s['bf16'] / tok_s['fp32']:.2f}x | "
+                    f"{mfu:.1%} | {share} |")
+                del model, optimizer
+                gc.collect()
+    ratios = ["", "| size | T | bilinear / llama | bilinear / mamba | bilinear / lstm | C++ / reference loop |",
+              "|---|---|---|---|---|---|"]
+    for size in args.sizes:
+        for T in args.seq_lens:
+            base = results.get((size, "bilinear", T))
+            if not base:
+                continue
+            cells = []
+            for other in ("llama", "mamba", "lstm", "bilinear-reference"):
+                ref = results.get((size, other, T))
+                cells.append(f"{base['fp32'] / ref['fp32']:.2f}x" if ref else "-")
+            ratios.append(f"| {size} | {T} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ratios + ["", "Ratios are fp32 tokens/s."])
+
+
+def cache_bytes(cache) -> int:
+    tensors = getattr(cache, "states", None)
+    if tensors is None:  # transformers' DynamicCache
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@torch.no_grad()
+def decode_latency(model, context: int, new_tokens: int, prefill_chunk: int):
+    ids = torch.randint(0, VOCAB, (1, context))
+    cache = None
+    for start in range(0, context, prefill_chunk):  # chunked prefill keeps attention memory bounded
+        out = model(ids[:, start:start + prefill_chunk], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(new_tokens):
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - start)
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+    return sorted(times)[len(times) // 2], cache_bytes(cache)
+
+
+def part_generate(args):
+    lines = ["| size | model | context | ms/token | cache MiB |", "|---|---|---|---|---|"]
+    latency = {}
+    size = args.sizes[-1]
+    for name in ("bilinear", "llama"):
+        torch.manual_seed(0)
+        model = build(name, size, max_positions=max(args.contexts) + 64).eval()
+        for context in args.contexts:
+            seconds, nbytes = decode_latency(model, context, args.new_tokens, args.prefill_chunk)
+            latency[(name, context)] = seconds
+            lines.append(f"| {size} | {name} | {context} | {seconds * 1e3:.2f} | {nbytes / 2 ** 20:.2f} |")
+            print("  " + lines[-1], flush=True)
+        del model
+        gc.collect()
+    lo, hi = min(args.contexts), max(args.contexts)
+    lines += ["", f"Bilinear latency at {hi} / at {lo}: {latency[('bilinear', hi)] / latency[('bilinear', lo)]:.2f}x; "
+              + ", ".join(f"Llama / bilinear at {c}: {latency[('llama', c)] / latency[('bilinear', c)]:.1f}x"
+                          for c in args.contexts)]
+    return "\n".join(lines)
+
+
+def part_probe(args):
+    lines = ["| model | state | rank / symbols | steps/s |", "|---|---|---|---|"]
+    symbols = 10
+    for mixer, rank in (("full", symbols), ("cp", 256)):
+        config = BilinearConfig(vocab_size=symbols, hidden_size=256, num_hidden_layers=1, use_mlp=False,
+                                num_heads=1, state_size=256, rank=rank, mixer_type=mixer, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = BilinearForCausalLM(config).train()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        generator = torch.Generator().manual_seed(0)
+
+        def step():
+            length = int(torch.randint(2, 11, (1,), generator=generator))
+            ids = torch.randint(0, symbols, (64, length), generator=generator)
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        seconds = timed(step, 3.0, 500, warmup=3)
+        lines.append(f"| bilinear-{mixer} | 256 | {rank} | {1 / seconds:.0f} |")
+        print("  " + lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    csv = lambda cast: (lambda s: [cast(x) for x in s.split(",")])  # noqa: E731
+    parser.add_argument("--parts", type=csv(str), default=["peak", "train", "generate", "probe"])
+    parser.add_argument("--sizes", type=csv(str), default=list(SIZES))
+    parser.add_argument("--seq-lens", type=csv(int), default=[256, 1024, 4096])
+    parser.add_argument("--models", type=csv(str), default=list(TRAIN_MODELS))
+    parser.add_argument("--tokens-per-step", type=int, default=8192)
+    parser.add_argument("--min-seconds", type=float, default=3.0)
+    parser.add_argument("--max-iters", type=int, default=5)
+    parser.add_argument("--contexts", type=csv(int), default=[128, 1024, 8192, 32768])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--output", type=Path, help="append the tables to this markdown file")
+    args = parser.parse_args(argv)
+    for name in args.sizes:
+        if name not in SIZES:
+            parser.error(f"--sizes: unknown size {name!r}; choose from {list(SIZES)}")
+    for name in args.models:
+        if name not in TRAIN_MODELS:
+            parser.error(f"--models: unknown model {name!r}; choose from {list(TRAIN_MODELS)}")
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    peaks, tables = None, []
+    if "peak" in args.parts or "train" in args.parts:
+        peaks, table = part_peak(args)
+        tables.append("### Matmul peak\n\n" + table)
+    if "train" in args.parts:
+        tables.append("### Training throughput\n\n" + part_train(args, peaks))
+    if "generate" in args.parts:
+        tables.append("### Generation\n\n" + part_generate(args))
+    if "probe" in args.parts:
+        tables.append("### Probe training (paper setup)\n\n" + part_probe(args))
+    text = "\n\n".join(tables)
+    print("\n" + text)
+    if args.output:
+        with open(args.output, "a") as f:
+            f.write(f"\nCommand: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
