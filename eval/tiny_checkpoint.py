@@ -1,0 +1,96 @@
+"""Tiny offline checkpoints for tests and smoke runs (no hub access).
+
+``build_tokenizer`` trains a small byte-level BPE on a slice of a local text file and wraps it as a
+``PreTrainedTokenizerFast`` (eos = pad = ``<|endoftext|>``, no BOS, no post-processor, lossless).
+``save_tiny_checkpoint`` saves a randomly initialized tiny model (llama or bilinear) + that tokenizer.
+
+    python eval/tiny_checkpoint.py OUT_DIR [--model_type llama|bilinear] [--text FILE]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"
+EOS = "<|endoftext|>"
+
+
+def build_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512, n_chars: int = 200_000):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = Path(text_file).read_text(encoding="utf-8")[:n_chars]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=1 << 30)
+
+
+def build_tiny_model(model_type: str, vocab_size: int, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    if model_type == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                   tie_word_embeddings=True)
+        cfg.update(overrides)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    elif model_type == "bilinear":
+        from bilinear_lm import BilinearConfig, BilinearForCausalLM
+
+        cfg = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8,
+                   rank=8, intermediate_size=64, norm_chunk_size=16)
+        cfg.update(overrides)
+        model = BilinearForCausalLM(BilinearConfig(**cfg))
+    else:
+        raise ValueError(f"model_type must be 'llama' or 'bilinear', got {model_type!r}")
+    return model.eval()
+
+
+def save_tiny_checkpoint(out_dir: str | Path, model_type: str = "llama", text_file: str | Path = DEFAULT_TEXT,
+                         tokenizer=None, seed: int = 0, **overrides):
+    out_dir = Path(out_dir)
+    tokenizer = tokenizer or build_tokenizer(text_file)
+    model = build_tiny_model(model_type, len(tokenizer), seed=seed, **overrides)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.bos_token_id = None
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+_TOKENIZER_CACHE: dict = {}
+
+
+def cached_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512):
+    """build_tokenizer memoized per process (tests share one tokenizer across modules)."""
+    key = (str(text_file), vocab_size)
+    if key not in _TOKENIZER_CACHE:
+        _TOKENIZER_CACHE[key] = build_tokenizer(text_file, vocab_size)
+    return _TOKENIZER_CACHE[key]
+
+
+def bilinear_available() -> bool:
+    """True once the core area's model exists (bilinear_lm.BilinearForCausalLM)."""
+    try:
+        import bilinear_lm
+    except ImportError:
+        return False
+    return hasattr(bilinear_lm, "BilinearForCausalLM")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir")
+    ap.add_argument("--model_type", default="llama", choices=["llama", "bilinear"])
+    ap.add_argument("--text", default=str(DEFAULT_TEXT))
+    a = ap.parse_args()
+    print(save_tiny_checkpoint(a.out_dir, a.model_type, a.text))

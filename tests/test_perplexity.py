@@ -1,0 +1,236 @@
+"""eval/perplexity.py: streaming (recurrent state carried) and strided protocols vs independent
+references (one naive fp64 forward; per-token brute force), metric definitions, CLI and errors."""
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from eval import perplexity as ppl
+from eval.tiny_checkpoint import bilinear_available, build_tiny_model, cached_tokenizer, save_tiny_checkpoint
+
+BILINEAR = pytest.param("bilinear", marks=pytest.mark.skipif(
+    not bilinear_available(), reason="bilinear_lm.BilinearForCausalLM not implemented yet"))
+MODEL_TYPES = ["llama", BILINEAR]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return cached_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def text(data_dir_module):
+    raw = (data_dir_module / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+    return raw[:700]
+
+
+@pytest.fixture(scope="module")
+def data_dir_module():
+    from conftest import DATA_DIR
+
+    if not DATA_DIR.is_dir():
+        pytest.fail(f"offline data not found at {DATA_DIR}")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer, text):
+    out = ppl.encode_text(tokenizer, text)
+    assert 150 < out.numel() < 600
+    return out
+
+
+_MODELS = {}
+
+
+def get_model(model_type, vocab_size):
+    if model_type not in _MODELS:
+        _MODELS[model_type] = build_tiny_model(model_type, vocab_size, seed=1).double()
+    return _MODELS[model_type]
+
+
+def naive_nll(model, ids):
+    """Reference: one forward pass over all tokens, fp64 log-softmax, sum of -log p(next token)."""
+    with torch.no_grad():
+        logits = model(input_ids=ids.unsqueeze(0)).logits[0].double()
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return float(-logp.gather(1, ids[1:, None]).sum()), ids.numel() - 1
+
+
+def test_encode_text_prefix_and_roundtrip(tokenizer, text, ids):
+    assert tokenizer.bos_token_id is None
+    assert ids[0].item() == tokenizer.eos_token_id  # prefix = BOS else EOS (lm-eval's rule)
+    assert tokenizer.decode(ids[1:].tolist()) == text  # byte-level BPE is lossless
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_strided_full_window_equals_naive_forward(model_type, tokenizer, ids):
+    model = get_model(model_type, len(tokenizer))
+    ref, n = naive_nll(model, ids)
+    for max_length, stride in [(ids.numel(), ids.numel() - 1), (ids.numel() + 50, 7)]:
+        nll, count = ppl.strided_perplexity(model, ids, max_length, stride)
+        assert count == n
+        assert nll == pytest.approx(ref, rel=1e-9)
+    nll, count = ppl.full_forward_nll(model, ids)
+    assert (count, nll) == (n, pytest.approx(ref, rel=1e-9))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_strided_windows_match_per_token_brute_force(model_type, tokenizer, ids):
+    """Each token t is scored once, in the first window k (begin k*S, end k*S+M) with end > t,
+    conditioned on ids[k*S:t]; brute force: one forward per token on exactly that context."""
+    model = get_model(model_type, len(tokenizer))
+    x = ids[:40]
+    M, S = 14, 5
+    ref = 0.0
+    with torch.no_grad():
+        for t in range(1, x.numel()):
+            k = max(0, (t - M) // S + 1)
+            ctx = x[k * S : t]
+            logits = model(input_ids=ctx.unsqueeze(0)).logits[0, -1].double()
+            ref -= float(torch.log_softmax(logits, -1)[x[t]])
+    nll, count = ppl.strided_perplexity(model, x, M, S)
+    assert count == x.numel() - 1
+    assert nll == pytest.approx(ref, rel=1e-9)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_rolling_windows_match_per_token_brute_force(model_type, tokenizer, ids):
+    """lm-eval's rolling windows: token t is in window k = (t-1)//L (targets [1+kL, min(1+(k+1)L, T)));
+    the window's inputs start at max(0, end-1-L) (the last window is left-extended)."""
+    model = get_model(model_type, len(tokenizer))
+    x = ids[:38]
+    L = 8
+    ref = 0.0
+    with torch.no_grad():
+        for t in range(1, x.numel()):
+            s = 1 + ((t - 1) // L) * L
+            e = min(s + L, x.numel())
+            ctx = x[max(0, e - 1 - L) : t]
+            assert ctx.numel() <= L
+            logits = model(input_ids=ctx.unsqueeze(0)).logits[0, -1].double()
+            ref -= float(torch.log_softmax(logits, -1)[x[t]])
+    nll, count = ppl.rolling_perplexity(model, x, L)
+    assert count == x.numel() - 1
+    assert nll == pytest.approx(ref, rel=1e-9)
+    full, _ = naive_nll(model, x)
+    assert ppl.rolling_perplexity(model, x, x.numel())[0] == pytest.approx(full, rel=1e-9)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("segment_len", [1, 7, 64, 10_000])
+def test_streaming_state_equals_full_forward(model_type, segment_len, tokenizer, ids):
+    """Carrying past_key_values across segments is exact. For the recurrent model this is the O(1)
+    state; llama only passes with allow_kv_cache (its KV cache is exact but grows)."""
+    model = get_model(model_type, len(tokenizer))
+    x = ids[:60] if segment_len == 1 else ids
+    ref, n = naive_nll(model, x)
+    nll, count = ppl.streaming_perplexity(model, x, segment_len, allow_kv_cache=(model_type == "llama"))
+    assert count == n
+    assert nll == pytest.approx(ref, rel=1e-9)
+
+
+@pytest.mark.skipif(not bilinear_available(), reason="bilinear_lm.BilinearForCausalLM not implemented yet")
+def test_bilinear_cache_is_recurrent(tokenizer, ids):
+    model = get_model("bilinear", len(tokenizer))
+    with torch.no_grad():
+        out = model(input_ids=ids[:10].unsqueeze(0), use_cache=True)
+    assert ppl.cache_kind(model, out.past_key_values) == "recurrent"
+
+
+def test_streaming_rejects_attention_model(tokenizer, ids):
+    model = get_model("llama", len(tokenizer))
+    with pytest.raises(ValueError, match="--mode strided"):
+        ppl.streaming_perplexity(model, ids, segment_len=32)
+
+
+def test_bad_arguments(tokenizer, ids):
+    model = get_model("llama", len(tokenizer))
+    with pytest.raises(ValueError, match="stride"):
+        ppl.strided_perplexity(model, ids, max_length=16, stride=16)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        ppl.strided_perplexity(model, ids[:1], max_length=16, stride=8)
+    with pytest.raises(ValueError, match="segment_len"):
+        ppl.streaming_perplexity(model, ids, segment_len=0)
+
+
+def test_metric_definitions_match_lm_eval_wikitext():
+    from lm_eval.tasks.wikitext.preprocess_wikitext import process_results
+
+    page = " = T = \n \n Some words , here . \n"
+    stats = ppl.text_stats(page)
+    lm = process_results({"page": page}, [-12.5])
+    assert stats["words"] == lm["word_perplexity"][1] == len(re.split(r"\s+", page))
+    assert stats["bytes"] == lm["bits_per_byte"][1] == len(page.encode())
+    m = ppl.perplexity_metrics(12.5, 5, stats["words"], stats["bytes"])
+    assert m["token_perplexity"] == pytest.approx(math.exp(12.5 / 5))
+    assert m["word_perplexity"] == pytest.approx(math.exp(12.5 / stats["words"]))
+    assert m["bits_per_byte"] == pytest.approx(12.5 / stats["bytes"] / math.log(2))
+    assert m["byte_perplexity"] == pytest.approx(2 ** m["bits_per_byte"])
+    assert ppl.text_stats("é x")["bytes"] == 4  # bytes are UTF-8 bytes, not characters
+
+
+# ----------------------------------------------------------------------------- CLI
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("ppl_ckpt")
+    out = {"llama": save_tiny_checkpoint(root / "llama", "llama", tokenizer=tokenizer, seed=2)}
+    if bilinear_available():
+        out["bilinear"] = save_tiny_checkpoint(root / "bilinear", "bilinear", tokenizer=tokenizer, seed=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory, text):
+    p = tmp_path_factory.mktemp("ppl_text") / "t.txt"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_cli_writes_table_and_json(model_type, ckpts, text_file, text, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    ppl.main(["--model", str(ckpts[model_type]), "--file", str(text_file), "--mode", "both",
+              "--segment_len", "50", "--max_length", "64", "--stride", "32", "--output", str(out)])
+    printed = capsys.readouterr()
+    assert "word_ppl" in printed.out and "bits_per_byte" in printed.out
+    res = json.loads(out.read_text())["results"]
+    expected_modes = {"strided", "streaming"} if model_type == "bilinear" else {"strided"}
+    assert set(res) == expected_modes
+    if model_type == "llama":
+        assert "streaming skipped" in printed.err and "--mode strided" in printed.err
+    # independent recomputation from the saved checkpoint
+    model, tok = ppl.load_model_and_tokenizer(str(ckpts[model_type]))
+    ids = ppl.encode_text(tok, text)
+    nll, n = ppl.strided_perplexity(model, ids, 64, 32)
+    r = res["strided"]
+    stats = ppl.text_stats(text)
+    assert (r["tokens"], r["words"], r["bytes"]) == (n, stats["words"], stats["bytes"])
+    assert r["nll"] == pytest.approx(nll, rel=1e-6)
+    assert r["word_perplexity"] == pytest.approx(math.exp(nll / stats["words"]), rel=1e-6)
+    if model_type == "bilinear":
+        # streaming sees the full context, strided only <= 64 tokens: different but both finite
+        assert math.isfinite(res["streaming"]["token_perplexity"])
+
+
+def test_cli_errors(ckpts, text_file, tmp_path):
+    ck = str(ckpts["llama"])
+    with pytest.raises(SystemExit, match="--mode strided"):
+        ppl.main(["--model", ck, "--file", str(text_file), "--mode", "streaming", "--segment_len", "50"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        ppl.main(["--model", ck, "--file", str(tmp_path / "missing.txt")])
+    with pytest.raises(SystemExit, match="does not exist"):
+        ppl.main(["--model", str(tmp_path / "no_ckpt"), "--file", str(text_file)])
+    # a checkpoint without tokenizer files
+    bare = tmp_path / "bare"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ck).save_pretrained(bare)
+    with pytest.raises(SystemExit, match="tokenizer"):
+        ppl.main(["--model", str(bare), "--file", str(text_file), "--mode", "strided"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(SystemExit, match="empty"):
+        ppl.main(["--model", ck, "--file", str(empty)])
