@@ -52,7 +52,8 @@ def _task_manager(TaskManager, include_path, tasks):
     missing = [t for t in tasks if t not in set(tm.all_tasks) and not Path(t).is_file()]
     if missing:
         raise ValueError(f"run_lm_eval: unknown lm-eval task(s) {missing}; the offline tasks are "
-                         f"wikitext2_local and lambada_openai_local in {include_path or REPO_TASKS_DIR}")
+                         f"wikitext2_local, lambada_openai_local and the state_tracking_probes in "
+                         f"{include_path or REPO_TASKS_DIR}")
     return tm
 
 
