@@ -1,0 +1,91 @@
+"""Build the bilinear LM or a parameter-matched transformers baseline (Llama / Mamba) from one config dict.
+
+    model = build_model("bilinear", {"hidden_size": 128, "num_hidden_layers": 4, ...}, vocab_size=65)
+    model = build_model("llama", same_dict, vocab_size=65)      # a Llama with ~ the same parameter count
+
+The baselines keep the depth and the embedding tying of the bilinear preset and solve for the width (and
+the MLP width) whose *exact* parameter count (a meta-device instantiation, no memory) is closest to the
+bilinear model's. They share the tokenizer and the whole training pipeline of train.py.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel
+
+MODEL_TYPES = ("bilinear", "llama", "mamba")
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _meta_count(model_cls, config) -> int:
+    with torch.device("meta"):
+        return count_parameters(model_cls(config))
+
+
+def bilinear_config(model_config: dict, vocab_size: int):
+    from bilinear_lm import BilinearConfig
+
+    return BilinearConfig(**{**model_config, "vocab_size": vocab_size})
+
+
+def _llama_config(hidden: int, heads: int, layers: int, vocab_size: int, tie: bool) -> LlamaConfig:
+    # SwiGLU width 8/3*d rounded up to a multiple of 32, like the bilinear MLP default
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=32 * -(-8 * hidden // 96),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=4096, tie_word_embeddings=tie, attention_dropout=0.0,
+    )
+
+
+def _mamba_config(hidden: int, layers: int, vocab_size: int, tie: bool) -> MambaConfig:
+    return MambaConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, state_size=16,
+                       expand=2, conv_kernel=4, tie_word_embeddings=tie, pad_token_id=None,
+                       bos_token_id=None, eos_token_id=None)
+
+
+def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_size: int):
+    """A LlamaConfig / MambaConfig with the bilinear model's depth and ~its parameter count."""
+    if model_type not in ("llama", "mamba"):
+        raise ValueError(f"matched_baseline_config: model_type must be 'llama' or 'mamba', got {model_type!r}")
+    from bilinear_lm import BilinearForCausalLM
+
+    bcfg = bilinear_config(bilinear_config_dict, vocab_size)
+    target = _meta_count(BilinearForCausalLM, bcfg)
+    layers, tie = bcfg.num_hidden_layers, bcfg.tie_word_embeddings
+    heads = bcfg.num_heads
+    if model_type == "llama":
+        step = heads * 2 if heads > 1 else 2  # head_dim even for rotary embeddings
+        make = lambda h: _llama_config(h, heads, layers, vocab_size, tie)  # noqa: E731
+        cls = LlamaForCausalLM
+    else:
+        step = 8
+        make = lambda h: _mamba_config(h, layers, vocab_size, tie)  # noqa: E731
+        cls = MambaForCausalLM
+    # parameter count is increasing in width: binary search on multiples of `step`, then take the closer
+    lo, hi = 1, max(2, 4 * bcfg.hidden_size // step)
+    while _meta_count(cls, make(hi * step)) < target:
+        hi *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _meta_count(cls, make(mid * step)) < target:
+            lo = mid
+        else:
+            hi = mid
+    best = min((lo, hi), key=lambda k: abs(_meta_count(cls, make(k * step)) - target))
+    return make(best * step)
+
+
+def build_model(model_type: str, model_config: dict, vocab_size: int) -> PreTrainedModel:
+    """`bilinear` -> BilinearForCausalLM(model_config); `llama` / `mamba` -> parameter-matched baseline."""
+    if model_type == "bilinear":
+        from bilinear_lm import BilinearForCausalLM
+
+        return BilinearForCausalLM(bilinear_config(model_config, vocab_size))
+    if model_type == "llama":
+        return LlamaForCausalLM(matched_baseline_config("llama", model_config, vocab_size))
+    if model_type == "mamba":
+        return MambaForCausalLM(matched_baseline_config("mamba", model_config, vocab_size))
+    raise ValueError(f"unknown model_type {model_type!r}; choose one of {MODEL_TYPES}")

@@ -1,0 +1,149 @@
+"""Data pipeline and config parsing of train.py, against independent references (plain slicing / loops)."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bilinear_lm import data as D
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def shakespeare_raw():
+    path = DATA_DIR / "tinyshakespeare" / "input.txt"
+    return path, D.load_raw_text(train_file=str(path), val_fraction=0.1)
+
+
+def test_split_matches_nanogpt_prepare(shakespeare_raw):
+    path, raw = shakespeare_raw
+    text = path.read_text()
+    n = len(text)
+    assert "".join(raw["train"]["text"]) == text[: int(n * 0.9)]  # nanoGPT shakespeare_char/prepare.py
+    assert "".join(raw["validation"]["text"]) == text[int(n * 0.9) :]
+
+
+def test_char_tokenizer_and_packing_match_reference(shakespeare_raw, tmp_path):
+    from transformers import AutoTokenizer
+
+    path, raw = shakespeare_raw
+    text = path.read_text()
+    tok = D.build_tokenizer("char", raw["train"])
+    chars = sorted(set(text))  # nanoGPT's vocabulary
+    stoi = {c: i for i, c in enumerate(chars)}
+    assert len(tok) == len(chars) == 65
+    sample = text[:500]
+    assert tok(sample, add_special_tokens=False)["input_ids"] == [stoi[c] for c in sample]
+    assert tok.decode([stoi[c] for c in sample]) == sample
+    tok.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)(sample)["input_ids"] == [stoi[c] for c in sample]
+
+    small = D.load_raw_text(train_file=str(_write(tmp_path / "s.txt", text[:20000])), val_fraction=0.1)
+    blocks = D.tokenize_and_pack(small, tok, block_size=64)
+    ref = [stoi[c] for c in text[:18000]]
+    n_blocks = len(ref) // 64
+    assert list(blocks["train"]["input_ids"]) == [ref[i * 64 : (i + 1) * 64] for i in range(n_blocks)]
+    assert list(blocks["train"]["labels"]) == list(blocks["train"]["input_ids"])
+    val_ref = [stoi[c] for c in text[18000:20000]]
+    assert list(blocks["validation"]["input_ids"]) == [val_ref[i * 64 : (i + 1) * 64] for i in range(len(val_ref) // 64)]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_bpe_tokenizer_trained_roundtrip(tmp_path):
+    text = "the quick brown fox jumps over the lazy dog. " * 50 + "Ünïcödé ✓\n"
+    raw = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", text * 3)))
+    tok = D.build_tokenizer(None, raw["train"], vocab_size=300)
+    assert len(tok) == 300 and tok.eos_token == D.EOS_TOKEN
+    ids = tok("the lazy fox ✓ never seen: ZQX", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "the lazy fox ✓ never seen: ZQX"  # byte-level: no unknown tokens
+    assert len(tok("the quick brown fox")["input_ids"]) < len("the quick brown fox") / 2  # merges learned
+
+
+def test_jsonl_documents_get_eos_between_them(tmp_path):
+    docs = [{"text": f"document number {i} " * 20} for i in range(40)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    raw = D.load_raw_text(train_file=str(path), val_fraction=0.25)
+    assert "".join(list(raw["train"]["text"]) + list(raw["validation"]["text"])) == "".join(d["text"] for d in docs)
+    tok = D.build_tokenizer(None, raw["train"], vocab_size=280)
+    blocks = D.tokenize_and_pack(raw, tok, block_size=16, add_eos=True)
+    flat = [t for b in blocks["train"]["input_ids"] for t in b]
+    assert flat.count(tok.eos_token_id) >= 25
+
+
+def test_bad_inputs_have_clear_errors(tmp_path, shakespeare_raw):
+    with pytest.raises(ValueError, match="does not exist"):
+        D.load_raw_text(train_file=str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="is empty"):
+        D.load_raw_text(train_file=str(_write(tmp_path / "empty.txt", "\n\n")))
+    with pytest.raises(ValueError, match="unsupported data file extension"):
+        D.load_raw_text(train_file=str(_write(tmp_path / "x.csv", "a,b")))
+    tiny = D.load_raw_text(train_file=str(_write(tmp_path / "tiny.txt", "hello world, this is tiny\n")))
+    tok = D.build_tokenizer("char", tiny["train"])
+    with pytest.raises(ValueError, match="fewer than block_size=64"):
+        D.tokenize_and_pack(tiny, tok, block_size=64)
+    with pytest.raises(ValueError, match="tokenizer path .* is not a directory"):
+        D.build_tokenizer(str(tmp_path / "no_such_tokenizer"), tiny["train"])
+
+
+def test_unreachable_hub_fails_fast_with_local_file_hint(monkeypatch):
+    monkeypatch.setattr(D, "hub_reachable", lambda timeout=5.0: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    t0 = time.time()
+    with pytest.raises(SystemExit, match="(?s)Hub is unreachable.*--train_file"):
+        D.load_raw_text(dataset="wikitext", dataset_config="wikitext-2-raw-v1")
+    assert time.time() - t0 < 5
+    with pytest.raises(ValueError, match="tokenizer 'gpt2' is not a local directory and the HuggingFace Hub is unreachable"):
+        D.build_tokenizer("gpt2", None)
+
+
+# ---------------------------------------------------------------------------------------- config parsing
+def test_config_preset_and_overrides_are_typed():
+    import train
+
+    cfg = train.parse_config(["--config", str(REPO / "bilinear_lm/configs/shakespeare-char.yaml"), "--max_steps", "7",
+                              "--learning_rate=3e-3", "--model.num_hidden_layers", "2", "--tokenizer", "none",
+                              "--model.use_mlp", "false", "--model.mixer_type", "diagonal"])
+    assert cfg["max_steps"] == 7 and isinstance(cfg["max_steps"], int)
+    assert cfg["learning_rate"] == 3e-3 and cfg["tokenizer"] is None
+    assert cfg["block_size"] == 64 and cfg["batch_size"] == 12  # from the preset
+    assert cfg["model"]["num_hidden_layers"] == 2 and cfg["model"]["state_size"] == 48
+    assert cfg["model"]["use_mlp"] is False and cfg["model"]["mixer_type"] == "diagonal"
+    with pytest.raises(ValueError, match="expected int"):
+        train.parse_config(["--max_steps", "many"])
+
+
+def test_config_unknown_keys_list_valid_keys(tmp_path):
+    import train
+
+    with pytest.raises(SystemExit, match="unknown config key 'max_stepz'.*max_steps"):
+        train.parse_config(["--max_stepz", "3"])
+    with pytest.raises(SystemExit, match="unknown model key 'hiden_size'.*hidden_size"):
+        train.parse_config(["--model.hiden_size", "3"])
+    bad = _write(tmp_path / "bad.yaml", "max_steps: 3\nlearning_rat: 0.1\n")
+    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rat'\]"):
+        train.parse_config(["--config", str(bad)])
+
+
+def test_all_presets_parse_and_build():
+    """Every preset is valid; the 125m preset is ~125M parameters (meta device: no memory)."""
+    import torch
+
+    import train
+    from bilinear_lm.baselines import build_model, count_parameters
+
+    presets = sorted((REPO / "bilinear_lm/configs").glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"tiny", "shakespeare-char", "125m"}
+    for p in presets:
+        cfg = train.parse_config(["--config", str(p)])
+        with torch.device("meta"):
+            n = count_parameters(build_model("bilinear", cfg["model"], vocab_size=50257 if p.stem == "125m" else 4096))
+        if p.stem == "125m":
+            assert 100e6 < n < 150e6

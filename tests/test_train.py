@@ -1,0 +1,258 @@
+"""train.py end to end (as a subprocess, like a user runs it), kill+resume, 2-rank CPU DDP, baselines, errors.
+
+The runs use a 40k-character slice of Tiny Shakespeare and a ~20k-parameter bilinear model so that the
+whole file stays well under a minute and a half on 2 shared cores.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
+MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 30, 5, 10
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def tiny_args(train_file, out_dir, **overrides):
+    args = {
+        "train_file": train_file, "output_dir": out_dir, "max_steps": MAX_STEPS, "block_size": 32,
+        "batch_size": 4, "warmup_steps": 5, "log_interval": 1, "eval_interval": EVAL_EVERY, "eval_iters": 0,
+        "save_interval": SAVE_EVERY, "sample_tokens": 20, "seed": 7, "learning_rate": 3e-3,
+        "model.hidden_size": 32, "model.num_hidden_layers": 2, "model.num_heads": 2, "model.state_size": 8,
+        "model.rank": 8, "model.norm_chunk_size": 4, **overrides,
+    }
+    return ["--config", PRESET] + [x for k, v in args.items() for x in (f"--{k}", str(v))]
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(records, key="loss"):
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Runs:
+    """Starts every subprocess at once (they are single-threaded; 2 cores) and lets tests wait for them.
+
+    A: uninterrupted run. B: the identical run, SIGKILLed right after its first checkpoint (a watcher
+    thread), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps.
+    """
+
+    def __init__(self, small_text, root):
+        import threading
+
+        self.a_dir, self.b_dir, self.ddp_dir = root / "a", root / "b", root / "ddp"
+        self.small_text = small_text
+        self.a = self._popen([sys.executable, "train.py", *tiny_args(small_text, self.a_dir)])
+        self.b = subprocess.Popen([sys.executable, "train.py", *tiny_args(small_text, self.b_dir)], cwd=REPO,
+                                  env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.ddp = self._popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+             "--main_process_port", str(_free_port()), "train.py",
+             *tiny_args(small_text, self.ddp_dir, max_steps=4, save_interval=2, eval_interval=2, eval_iters=2,
+                        sample_tokens=0, log_shard_checksums="true")],
+            env={**ENV, "ACCELERATE_USE_CPU": "1"})
+        self.killed_records, self.resumed = None, None
+        self.watcher = threading.Thread(target=self._kill_and_resume, daemon=True)
+        self.watcher.start()
+
+    @staticmethod
+    def _popen(cmd, env=ENV):
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def _kill_and_resume(self):
+        marker = self.b_dir / "checkpoints" / f"step_{SAVE_EVERY}" / "CHECKPOINT_COMPLETE"
+        deadline = time.time() + 300
+        while not marker.exists() and self.b.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        self.b.send_signal(signal.SIGKILL)
+        self.b.wait()
+        self.killed_records = read_metrics(self.b_dir) if (self.b_dir / "metrics.jsonl").exists() else []
+        self.resumed = self._popen([sys.executable, "train.py", *tiny_args(self.small_text, self.b_dir),
+                                    "--resume_from_checkpoint", "latest"])
+
+    @staticmethod
+    def finish(proc):
+        out, _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, out[-4000:]
+        return out
+
+    def stop(self):
+        self.watcher.join(timeout=400)
+        for proc in (self.a, self.b, self.ddp, self.resumed):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "shakespeare_40k.txt"
+    path.write_text(SHAKESPEARE.read_text()[:40_000])
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(small_text, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the in-process tests share the 2 cores with the subprocesses
+    runs = Runs(small_text, tmp_path_factory.mktemp("runs"))
+    yield runs
+    runs.stop()
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------- in-process checks
+TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "state_size": 8, "rank": 8,
+              "norm_chunk_size": 4}
+
+
+@pytest.mark.parametrize("model_type", ["bilinear", "llama", "mamba"])
+def test_loss_goes_down_on_a_repeated_batch(model_type):
+    from bilinear_lm.baselines import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_type, TINY_MODEL, vocab_size=65)
+    batch = torch.randint(0, 65, (4, 32), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss = model(input_ids=batch, labels=batch).loss
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * first
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mamba"])
+def test_baselines_are_parameter_matched(model_type):
+    import train
+    from bilinear_lm.baselines import build_model, count_parameters
+
+    cfg = train.parse_config(["--config", PRESET])
+    with torch.device("meta"):
+        n_bilinear = count_parameters(build_model("bilinear", cfg["model"], vocab_size=65))
+        baseline = build_model(model_type, cfg["model"], vocab_size=65)
+    assert type(baseline).__name__.lower().startswith(model_type)
+    assert baseline.config.num_hidden_layers == cfg["model"]["num_hidden_layers"]
+    assert abs(count_parameters(baseline) / n_bilinear - 1) < 0.1
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"train_file": "/nonexistent/input.txt"}, "does not exist"),
+    ({"train_file": "EMPTY"}, "is empty"),
+    ({"block_size": 100_000}, "fewer than block_size=100000"),
+    ({"tokenizer": "/nonexistent/tokenizer_dir"}, "tokenizer path .* is not a directory"),
+    ({"no_such_key": 1}, "unknown config key 'no_such_key'"),
+])
+def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
+    import train
+
+    if bad.get("train_file") == "EMPTY":
+        (tmp_path / "empty.txt").write_text("")
+        bad = {"train_file": str(tmp_path / "empty.txt")}
+    bad = dict(bad)
+    args = tiny_args(bad.pop("train_file", small_text), tmp_path / "out", **bad)
+    with pytest.raises((ValueError, SystemExit), match=message):
+        train.main(args)
+
+
+def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatch):
+    lm_harness = pytest.importorskip("bilinear_lm.lm_harness")
+    import train
+
+    calls = []
+
+    def fake_run_lm_eval(model, tokenizer, tasks, limit=None, **kwargs):
+        calls.append((type(model).__name__, len(tokenizer), tasks, limit))
+        return {"results": {t: {"acc": 0.5} for t in tasks}}
+
+    monkeypatch.setattr(lm_harness, "run_lm_eval", fake_run_lm_eval)
+    out = tmp_path / "out"
+    train.main(tiny_args(small_text, out, max_steps=2, save_interval=0, eval_interval=0, sample_tokens=0,
+                         eval_lm_harness="lambada_openai,arc_easy", lm_harness_limit=3))
+    assert calls == [("BilinearForCausalLM", len(set(Path(small_text).read_text())), ["lambada_openai", "arc_easy"], 3)]
+    assert json.loads((out / "lm_harness.json").read_text())["results"]["arc_easy"]["acc"] == 0.5
+
+
+# -------------------------------------------------- subprocess runs (started at module start, checked last)
+def test_end_to_end_checkpoint_metrics_plot_and_sample(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stdout = runs.finish(runs.a)
+    out = runs.a_dir
+    records = read_metrics(out)
+    train_losses = losses(records)
+    assert sorted(train_losses) == list(range(1, MAX_STEPS + 1))
+    assert all(math.isfinite(v) for v in train_losses.values())
+    text = SHAKESPEARE.read_text()[:40_000]
+    vocab = len(set(text))
+    val = losses(records, "val_loss")
+    assert sorted(val) == list(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
+    assert val[MAX_STEPS] < val[EVAL_EVERY] < math.log(vocab)  # learning, and better than a uniform guess
+    assert records[-1]["final"] and records[-1]["params_identical_across_ranks"]
+    assert (out / "loss.png").stat().st_size > 1000
+    assert "--- sample" in stdout
+    assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
+
+    # the saved model + tokenizer reproduce the logged final validation loss through a second code path
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "bilinear" and len(tok) == model.config.vocab_size == vocab
+    ids = torch.tensor(tok(text[36_000:], add_special_tokens=False)["input_ids"])  # the last 10% = validation
+    blocks = ids[: len(ids) // 32 * 32].view(-1, 32)
+    with torch.no_grad():
+        batch_losses = [model(input_ids=b, labels=b).loss for b in blocks.split(4)]
+    assert torch.stack(batch_losses).mean().item() == pytest.approx(val[MAX_STEPS], abs=1e-4)
+
+
+def test_sigkill_then_resume_reproduces_losses_exactly(runs):
+    runs.finish(runs.a)
+    runs.watcher.join(timeout=400)
+    stdout = runs.finish(runs.resumed)
+    assert not any(r.get("final") for r in runs.killed_records), "run B finished before it could be killed"
+    ckpts = sorted(int(p.name.split("_")[1]) for p in (runs.b_dir / "checkpoints").glob("step_*"))
+    assert ckpts[0] == SAVE_EVERY
+    assert "resumed from" in stdout
+    a, b = read_metrics(runs.a_dir), read_metrics(runs.b_dir)
+    assert losses(b) == losses(a)  # bitwise, every step, fp32 and same seed
+    assert losses(b, "val_loss") == losses(a, "val_loss")
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(runs.a_dir / "model.safetensors"), load_file(runs.b_dir / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_rank_cpu_ddp(runs):
+    runs.finish(runs.ddp)
+    records = read_metrics(runs.ddp_dir)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:  # each rank got its own shard of the global batch
+        assert len(r["shard_checksums"]) == 2 and r["shard_checksums"][0] != r["shard_checksums"][1]
+        assert math.isfinite(r["loss"])
+    final = records[-1]
+    assert final["num_processes"] == 2 and final["params_identical_across_ranks"] is True
+    assert {p.name for p in (runs.ddp_dir / "checkpoints" / "step_4").iterdir()} >= {
+        "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "CHECKPOINT_COMPLETE"}
