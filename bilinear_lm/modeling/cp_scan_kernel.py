@@ -18,63 +18,87 @@ logger = logging.getLogger(__name__)
 CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
-// keep: [T, B] bool or empty (no padding). Steps [t0, t1) are run; normalization at boundaries or every step.
+// keep: [T, B] bool or empty (no padding). Each (head, row) runs its whole sequence in one thread, chunk by
+// chunk; a chunk whose peak |g| leaves [2^-60, 2^60] is recomputed for that (head, row) normalizing every step.
 template <typename scalar_t>
-void forward_segment_kernel(const torch::Tensor& u, const torch::Tensor& Mt, const torch::Tensor& W1,
-                            const torch::Tensor& keep, torch::Tensor& P, torch::Tensor& G, torch::Tensor& S,
-                            int64_t t0, int64_t t1, int64_t chunk, int64_t offset, bool every_step) {
-  const int64_t N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
-  const scalar_t* up = u.data_ptr<scalar_t>();
-  const scalar_t* mp = Mt.data_ptr<scalar_t>();
-  const scalar_t* wp = W1.data_ptr<scalar_t>();
-  const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
-  scalar_t* pp = P.data_ptr<scalar_t>();
-  scalar_t* gp = G.data_ptr<scalar_t>();
-  scalar_t* sp = S.data_ptr<scalar_t>();
-  const scalar_t tiny = std::numeric_limits<scalar_t>::min();
-  at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t n = nb / B, b = nb % B;
-      const scalar_t* M = mp + n * R * R;
-      const scalar_t* W = wp + n * H * R;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t row = (t * N + n) * B + b;
-        const scalar_t* __restrict__ ut = up + row * R;
-        const scalar_t* __restrict__ pt = pp + row * R;
-        scalar_t* __restrict__ pn = pp + (row + N * B) * R;
-        scalar_t* __restrict__ g = gp + row * R;
-        const bool keep_t = kp ? kp[t * B + b] : true;
-        for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
-        scalar_t s = 1;
-        const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
-        if ((every_step || boundary) && keep_t) {
-          scalar_t norm2 = 0;
-          for (int64_t h = 0; h < H; ++h) {
-            scalar_t acc = 0;
-            for (int64_t r = 0; r < R; ++r) acc += W[h * R + r] * g[r];
-            norm2 += acc * acc;
-          }
-          s = scalar_t(1) / std::max(std::sqrt(norm2), tiny);
-          for (int64_t r = 0; r < R; ++r) g[r] *= s;
+struct RowScan {
+  const scalar_t* u; const scalar_t* M; const scalar_t* W; const bool* keep;
+  scalar_t* P; scalar_t* G; scalar_t* S;
+  int64_t N, B, R, H, n, b, chunk, offset;
+
+  // Steps [t0, t1); returns whether every step's peak |g| stayed in the safe range.
+  bool run(int64_t t0, int64_t t1, bool every_step) {
+    const scalar_t tiny = std::numeric_limits<scalar_t>::min();
+    bool in_range = true;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t row = (t * N + n) * B + b;
+      const scalar_t* __restrict__ ut = u + row * R;
+      const scalar_t* __restrict__ pt = P + row * R;
+      scalar_t* __restrict__ pn = P + (row + N * B) * R;
+      scalar_t* __restrict__ g = G + row * R;
+      const bool keep_t = keep ? keep[t * B + b] : true;
+      for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
+      scalar_t s = 1;
+      const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
+      if ((every_step || boundary) && keep_t) {
+        scalar_t norm2 = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t acc = 0;
+          for (int64_t r = 0; r < R; ++r) acc += W[h * R + r] * g[r];
+          norm2 += acc * acc;
         }
-        sp[row] = s;
-        if (keep_t) {
-          for (int64_t c = 0; c < R; ++c) pn[c] = 0;
-          for (int64_t r = 0; r < R; ++r) {
-            const scalar_t gr = g[r];
-            const scalar_t* __restrict__ Mr = M + r * R;
-            for (int64_t c = 0; c < R; ++c) pn[c] += gr * Mr[c];
-          }
-        } else {
-          for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
+        s = scalar_t(1) / std::max(std::sqrt(norm2), tiny);
+        for (int64_t r = 0; r < R; ++r) g[r] *= s;
+      }
+      S[row] = s;
+      scalar_t peak = 0;
+      for (int64_t r = 0; r < R; ++r) peak = std::max(peak, std::abs(g[r]));
+      in_range = in_range && peak < scalar_t(0x1p60) && peak > scalar_t(0x1p-60);  // NaN fails both
+      if (keep_t) {
+        for (int64_t c = 0; c < R; ++c) pn[c] = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const scalar_t gr = g[r];
+          const scalar_t* __restrict__ Mr = M + r * R;
+          for (int64_t c = 0; c < R; ++c) pn[c] += gr * Mr[c];
         }
+      } else {
+        for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
       }
     }
+    return in_range;
+  }
+};
+
+std::vector<torch::Tensor> forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
+                                   torch::Tensor p0, int64_t chunk, int64_t offset) {
+  const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
+  auto G = torch::empty_like(u);
+  auto P = torch::empty({T + 1, N, B, R}, u.options());
+  auto S = torch::empty({T, N, B, 1}, u.options());
+  P[0].copy_(p0);
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
+    const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+    at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int64_t n = nb / B, b = nb % B;
+        RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
+                               W1.data_ptr<scalar_t>() + n * H * R, kp, P.data_ptr<scalar_t>(),
+                               G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset};
+        for (int64_t t0 = 0; t0 < T;) {
+          const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
+          if (!scan.run(t0, t1, false) && chunk > 0) scan.run(t0, t1, true);
+          t0 = t1;
+        }
+      }
+    });
   });
+  return {G, P, S};
 }
 
 // Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and
@@ -121,14 +145,6 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
   });
 }
 
-void forward_segment(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep, torch::Tensor P,
-                     torch::Tensor G, torch::Tensor S, int64_t t0, int64_t t1, int64_t chunk, int64_t offset,
-                     bool every_step) {
-  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward_segment", [&] {
-    forward_segment_kernel<scalar_t>(u, Mt, W1, keep, P, G, S, t0, t1, chunk, offset, every_step);
-  });
-}
-
 torch::Tensor backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
                        torch::Tensor DGT, torch::Tensor DP) {
   auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
@@ -168,7 +184,7 @@ def load_kernel():
                 _module = load_inline(
                     name=f"bilinear_cp_scan_{_cpu_tag()}",
                     cpp_sources=CPP_SOURCE,
-                    functions=["forward_segment", "backward"],
+                    functions=["forward", "backward"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     verbose=os.environ.get("BILINEAR_LM_VERBOSE_BUILD") == "1",

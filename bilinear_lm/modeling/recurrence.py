@@ -6,10 +6,12 @@ Every mixer runs, per head, ``h_t = A(x_t) h_{t-1}`` (plus ``b_t`` only in the a
 * chunked normalization: at every position ``p`` with ``p % chunk == 0`` (``p = offset + t + 1`` counts
   positions since the start of the stream), each head's state is divided by its detached norm, except at
   padded positions. Since outputs normalize each head's state, this never changes an output.
-* overflow guard: the positions are processed in those chunks; a chunk in which some state leaves
-  ``[2**-60, 2**60]`` (or turns non-finite) is recomputed normalizing at every position. A fast-growing
-  transition (or a decaying one) thus stays finite over any length, in fp32 as in bf16 autocast. The state is
-  only defined up to a positive per-head factor, so this changes no output either.
+* overflow guard: the positions are processed in those chunks; where a (row, head) state leaves
+  ``[2**-60, 2**60]`` (or turns non-finite) within a chunk, that row and head recompute the chunk normalizing
+  at every position. A fast-growing transition (or a decaying one) thus stays finite over any length, in fp32
+  as in bf16 autocast. The state is only defined up to a positive per-head factor, so this changes no output.
+  (The reference checks the state ``h``, the fast paths their rank-space ``g``: in guard cases their states may
+  differ by a positive factor per head.)
 
 Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, input factors ``F``. States are ``[B, T, N, H]``,
 initial and final states ``[B, N, H]`` (an initial state ``[N, H]`` is broadcast over the batch).
@@ -86,10 +88,10 @@ def _segments(T: int, chunk: int, offset: int):
 _SAFE_MIN, _SAFE_MAX = 2.0 ** -60, 2.0 ** 60
 
 
-def _in_safe_range(x):
-    """Whether, at every step, every head and row of ``x`` (state last) has its largest entry in the safe range."""
+def _rows_in_safe_range(x):
+    """``[..., rows, heads]`` mask: every step of ``x`` ``[steps, ..., state]`` keeps its peak in the safe range."""
     peak = x.detach().abs().amax(dim=-1)
-    return bool(torch.isfinite(peak).all() and peak.max() < _SAFE_MAX and peak.min() > _SAFE_MIN)
+    return ((peak < _SAFE_MAX) & (peak > _SAFE_MIN)).all(dim=0)  # NaN fails both comparisons
 
 
 def reference_recurrence(
@@ -109,26 +111,35 @@ def reference_recurrence(
     """
     B, T = factors.shape[:2]
     h = h0.expand(B, *h0.shape[-2:])
+
+    def run(t0, t1, every_step=None):
+        """Steps [t0, t1); ``every_step``: ``[B, N, 1]`` rows that normalize at every step (None: none)."""
+        segment, h_t = [], h
+        for t in range(t0, t1):
+            h_new = transition(h_t, factors[:, t])
+            if additive is not None:
+                h_new = h_new + additive[:, t]
+            keep_t = None if mask is None else mask[:, t].bool()[:, None, None]
+            if keep_t is not None:
+                h_new = torch.where(keep_t, h_new, h_t)
+            if _is_boundary(chunk, offset, t):
+                h_new = h_new * _scale_at_boundary(h_new, keep_t)
+            elif every_step is not None:
+                h_new = h_new * torch.where(every_step, _scale_at_boundary(h_new, keep_t), 1.0)
+            h_t = h_new
+            segment.append(h_t)
+        return torch.stack(segment)
+
     states = []
     for t0, t1 in _segments(T, chunk, offset):
-        for every_step in (False, True):
-            segment, h_end = [], h
-            for t in range(t0, t1):
-                h_new = transition(h_end, factors[:, t])
-                if additive is not None:
-                    h_new = h_new + additive[:, t]
-                keep_t = None if mask is None else mask[:, t].bool()[:, None, None]
-                if keep_t is not None:
-                    h_new = torch.where(keep_t, h_new, h_end)
-                if every_step or _is_boundary(chunk, offset, t):
-                    h_new = h_new * _scale_at_boundary(h_new, keep_t)
-                h_end = h_new
-                segment.append(h_end)
-            if not chunk or every_step or _in_safe_range(torch.stack(segment)):
-                break
-        states += segment
-        h = h_end
-    return torch.stack(states, dim=1), h
+        segment = run(t0, t1)
+        if chunk:
+            ok = _rows_in_safe_range(segment)[..., None]
+            if not bool(ok.all()):  # redo rather than select: a discarded inf branch would poison gradients
+                segment = run(t0, t1, every_step=~ok)
+        states.append(segment)
+        h = segment[-1]
+    return torch.cat(states).transpose(0, 1), h
 
 
 class _CPScan(torch.autograd.Function):
@@ -141,29 +152,10 @@ class _CPScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, Mt, p0, keep, W1, chunk, offset, kernel):
-        T = u.shape[0]
-        G = torch.empty_like(u)
-        P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
-        S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
-        P[0] = p0
-        keep4 = None if keep is None else keep[:, None, :, None]
-        for t0, t1 in _segments(T, chunk, offset):
-            for every_step in (False, True):
-                if kernel is not None:
-                    kernel.forward_segment(u, Mt, W1, _kernel_keep(keep, u), P, G, S, t0, t1, chunk, offset,
-                                           every_step)
-                else:
-                    for t in range(t0, t1):
-                        g = torch.mul(u[t], P[t], out=G[t])
-                        keep_t = None if keep4 is None else keep4[t]
-                        if every_step or _is_boundary(chunk, offset, t):
-                            S[t] = _scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
-                            g.mul_(S[t])
-                        torch.bmm(g, Mt, out=P[t + 1])
-                        if keep_t is not None:
-                            torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
-                if not chunk or every_step or _in_safe_range(G[t0:t1]):
-                    break
+        if kernel is not None:
+            G, P, S = kernel.forward(u, Mt, W1, _kernel_keep(keep, u), p0.contiguous(), chunk, offset)
+        else:
+            G, P, S = _torch_scan_forward(u, Mt, p0, keep, W1, chunk, offset)
         ctx.save_for_backward(u, Mt, G, P, S, keep)
         ctx.kernel = kernel
         return G
@@ -193,6 +185,39 @@ class _CPScan(torch.autograd.Function):
         du = S * P[:T] * DGT
         dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
         return du, dMt, dp, None, None, None, None, None
+
+
+def _torch_scan_forward(u, Mt, p0, keep, W1, chunk, offset):
+    """The scan's forward loop in PyTorch: ``(G, P, S)`` (see :class:`_CPScan`)."""
+    T = u.shape[0]
+    G = torch.empty_like(u)
+    P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
+    S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
+    P[0] = p0
+    keep4 = None if keep is None else keep[:, None, :, None]
+
+    def run(t0, t1, every_step, G, P, S):
+        for t in range(t0, t1):
+            g = torch.mul(u[t], P[t], out=G[t])
+            keep_t = None if keep4 is None else keep4[t]
+            if every_step or _is_boundary(chunk, offset, t):
+                S[t] = _scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
+                g.mul_(S[t])
+            torch.bmm(g, Mt, out=P[t + 1])
+            if keep_t is not None:
+                torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
+
+    for t0, t1 in _segments(T, chunk, offset):
+        run(t0, t1, False, G, P, S)
+        if chunk:
+            ok = _rows_in_safe_range(G[t0:t1])[..., None]
+            if not bool(ok.all()):  # recompute out-of-range (head, row) pairs normalizing every step
+                G2, P2, S2 = G.clone(), P.clone(), torch.ones_like(S)
+                run(t0, t1, True, G2, P2, S2)
+                for full, redo in ((G, G2), (S, S2)):
+                    full[t0:t1] = torch.where(ok, full[t0:t1], redo[t0:t1])
+                P[t0 + 1:t1 + 1] = torch.where(ok, P[t0 + 1:t1 + 1], P2[t0 + 1:t1 + 1])
+    return G, P, S
 
 
 def _kernel_keep(keep, like):
