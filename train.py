@@ -364,7 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
     pbar = tqdm(total=cfg["max_steps"], initial=step, disable=not accelerator.is_local_main_process, desc="train",
                 dynamic_ncols=True)
     model.train()
-    t_last, steps_since, loss_sum, n_micro = time.time(), 0, None, 0
+    # train_seconds: wall-clock spent in training steps by this process (evaluation and checkpoints excluded)
+    t_mark, train_seconds, logged_seconds = time.time(), 0.0, 0.0
+    steps_since, loss_sum, n_micro = 0, None, 0
     while step < cfg["max_steps"]:
         train_dl.set_epoch(epoch)
         loader = accelerator.skip_first_batches(train_dl, batches_done) if batches_done else train_dl
@@ -389,26 +391,29 @@ def main(argv: list[str] | None = None) -> dict:
             step += 1
             steps_since += 1
             pbar.update(1)
+            now = time.time()
+            train_seconds, t_mark = train_seconds + now - t_mark, now
             if step % cfg["log_interval"] == 0 or step == cfg["max_steps"]:
                 train_loss = accelerator.reduce(loss_sum / n_micro, reduction="mean").item()  # mean over ranks
-                dt = time.time() - t_last
-                record = {"step": step, "loss": train_loss, "lr": lr,
+                dt, logged_seconds = train_seconds - logged_seconds, train_seconds
+                record = {"step": step, "loss": train_loss, "lr": lr, "train_seconds": train_seconds,
                           "tokens_per_sec": tokens_per_step * steps_since / max(dt, 1e-9), "epoch": epoch}
                 if cfg["log_shard_checksums"]:
                     record["shard_checksums"] = shard_sums
                 log(record)
                 pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-                t_last, steps_since = time.time(), 0
+                steps_since = 0
             loss_sum, n_micro = None, 0
 
             if cfg["eval_interval"] and (step % cfg["eval_interval"] == 0 or step == cfg["max_steps"]):
-                record = {"step": step, **evaluate()}
+                record = {"step": step, "train_seconds": train_seconds, **evaluate()}
                 log(record)
                 pbar.write(f"step {step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}") \
                     if accelerator.is_local_main_process else None
             if cfg["save_interval"] and step % cfg["save_interval"] == 0:
                 save_checkpoint(accelerator, cfg["output_dir"], step,
                                 {"step": step, "epoch": epoch, "batches_done": batches_done}, tokenizer)
+            t_mark = time.time()  # evaluation and checkpoint time is not training time
             if step >= cfg["max_steps"]:
                 break
         else:  # epoch exhausted
