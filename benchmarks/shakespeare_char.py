@@ -27,9 +27,12 @@ NANOGPT = {75: 1.886, 180: 1.68}  # nanoGPT CPU recipe on this machine (FINDINGS
 
 
 def train(out_dir: Path, model_type: str, max_steps: int, eval_interval: int, extra: list[str]) -> list[dict]:
+    """One train.py run of the preset; returns its metrics records. A finished run in out_dir is reused."""
+    if (out_dir / "config.json").exists():  # train.py saves the final model last
+        return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     cmd = [sys.executable, str(REPO / "train.py"), "--config", str(PRESET), "--model_type", model_type,
            "--output_dir", str(out_dir), "--max_steps", str(max_steps), "--eval_interval", str(eval_interval),
-           "--eval_iters", "0", "--save_interval", "0", "--sample_tokens", "0", "--log_interval", "10", *extra]
+           "--eval_iters", "0", "--save_interval", "0", "--sample_tokens", "0", *extra]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -52,24 +55,29 @@ def main(argv=None):
     parser.add_argument("--models", default="bilinear,llama,mamba")
     parser.add_argument("--budgets", default="75,180", help="training seconds per run")
     parser.add_argument("--evals", type=int, default=8, help="validation points per run (for the plot)")
+    parser.add_argument("--calibration-steps", type=int, default=60, help="steps of the step-time calibration run")
     parser.add_argument("--output", type=Path, help="append the table to this markdown file")
     parser.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "shakespeare_char_loss.png")
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (finished runs are reused); default: temporary")
+    parser.add_argument("--log-interval", type=int, default=10, help="train.py log interval (>= 2 logs in calibration)")
     parser.add_argument("extra", nargs="*", help="extra train.py overrides, e.g. --learning_rate 2e-3")
     args = parser.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
     tokens_per_step = 12 * 64  # the preset's batch_size x block_size
 
     rows, curves = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.workdir or scratch
         for model_type in args.models.split(","):
-            calib = train(Path(tmp) / f"{model_type}-calib", model_type, 60, 0, args.extra)
+            extra = ["--log_interval", str(args.log_interval), *args.extra]
+            calib = train(Path(tmp) / f"{model_type}-calib", model_type, args.calibration_steps, 0, extra)
             step_s = seconds_per_step(calib)
             params = parameter_count(Path(tmp) / f"{model_type}-calib")
             losses, seconds = {}, {}
             for budget in budgets:
-                steps = max(20, int(budget / step_s))
+                steps = max(5, int(budget / step_s))
                 records = train(Path(tmp) / f"{model_type}-{budget}", model_type, steps,
-                                max(1, steps // args.evals), args.extra)
+                                max(1, steps // args.evals), extra)
                 evals = [r for r in records if "val_loss" in r]
                 losses[budget], seconds[budget] = evals[-1]["val_loss"], evals[-1]["train_seconds"]
                 if budget == max(budgets):

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM  # noqa: E402
-from bilinear_lm.baselines import build_model, count_parameters  # noqa: E402
+from bilinear_lm.baselines import build_model, count_parameters, matched_lstm  # noqa: E402
 from bilinear_lm.modeling.recurrence import cp_recurrence  # noqa: E402
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
@@ -43,10 +43,20 @@ SIZES = {
 TRAIN_MODELS = ("bilinear", "bilinear-reference", "llama", "mamba", "lstm")
 
 
+SLOW_CALL_SECONDS = 30.0
+
+
 def timed(fn, min_seconds: float, max_iters: int, warmup: int = 1) -> float:
-    """Seconds per call of ``fn`` after ``warmup`` calls: at least 2 timed calls, more while under ``min_seconds``."""
+    """Seconds per call of ``fn`` after ``warmup`` calls: at least 2 timed calls, more while under ``min_seconds``.
+
+    A warm-up call slower than ``SLOW_CALL_SECONDS`` is taken as the measurement (an upper bound; such
+    models are far off the pace anyway and would otherwise take many minutes).
+    """
     for _ in range(warmup):
+        start = time.perf_counter()
         fn()
+        if time.perf_counter() - start > SLOW_CALL_SECONDS:
+            return time.perf_counter() - start
     times = []
     while len(times) < 2 or (sum(times) < min_seconds and len(times) < max_iters):
         start = time.perf_counter()
@@ -60,6 +70,8 @@ def build(name: str, size: str, max_positions: int = 4096):
     if name.startswith("bilinear"):
         impl = "reference" if name == "bilinear-reference" else "auto"
         return BilinearForCausalLM(BilinearConfig(vocab_size=VOCAB, recurrence_impl=impl, **model_cfg))
+    if name == "lstm":
+        return matched_lstm(model_cfg, VOCAB)
     model = build_model(name, model_cfg, VOCAB)
     if name == "llama":
         model.config.max_position_embeddings = max_positions
@@ -109,8 +121,8 @@ def recurrence_seconds(model, batch: int, seq_len: int) -> float:
 
 
 def part_train(args, peaks):
-    lines = ["| size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU bf16 | "
-             "recurrence share |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU (vs own peak) | "
+             "recurrence share (fp32) |", "|---|---|---|---|---|---|---|---|---|---|"]
     results = {}
     for size in args.sizes:
         for T in args.seq_lens:
@@ -121,7 +133,7 @@ def part_train(args, peaks):
                 model = build(name, size).train()
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 tok_s = {}
-                for precision in ("fp32", "bf16"):
+                for precision in args.precisions:
                     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
                     def step():
@@ -134,15 +146,18 @@ def part_train(args, peaks):
                     seconds = timed(step, args.min_seconds, args.max_iters)
                     tok_s[precision] = batch * T / seconds
                     print(f"  {size} {name} T={T} {precision}: {tok_s[precision]:.0f} tok/s", flush=True)
-                mfu = tok_s["bf16"] * model_flops_per_token(model, T) / peaks["bf16"]
+                flops = model_flops_per_token(model, T)
+                mfu = {p: tok_s[p] * flops / peaks[p] for p in tok_s}
                 share = "-"
                 if name == "bilinear":
-                    share = f"{recurrence_seconds(model, batch, T) * tok_s['fp32'] / (batch * T):.0%} (fp32)"
+                    share = f"{recurrence_seconds(model, batch, T) * tok_s['fp32'] / (batch * T):.0%}"
                 results[(size, name, T)] = tok_s
+                cell = lambda p, fmt: format(tok_s[p], fmt) if p in tok_s else "-"  # noqa: E731
+                ratio = f"{tok_s['bf16'] / tok_s['fp32']:.2f}x" if len(tok_s) == 2 else "-"
                 lines.append(
                     f"| {size} | {name} | {count_parameters(model) / 1e6:.2f}M | {T} | {batch} | "
-                    f"{tok_s['fp32']:.0f} | {tok_s['bf16']:.0f} | {tok_s['bf16'] / tok_s['fp32']:.2f}x | "
-                    f"{mfu:.1%} | {share} |")
+                    f"{cell('fp32', '.0f')} | {cell('bf16', '.0f')} | {ratio} | "
+                    f"{' / '.join(f'{mfu[p]:.1%}' for p in tok_s)} | {share} |")
                 del model, optimizer
                 gc.collect()
     ratios = ["", "| size | T | bilinear / llama | bilinear / mamba | bilinear / lstm | C++ / reference loop |",
@@ -155,7 +170,7 @@ def part_train(args, peaks):
             cells = []
             for other in ("llama", "mamba", "lstm", "bilinear-reference"):
                 ref = results.get((size, other, T))
-                cells.append(f"{base['fp32'] / ref['fp32']:.2f}x" if ref else "-")
+                cells.append(f"{base['fp32'] / ref['fp32']:.2f}x" if ref and "fp32" in ref and "fp32" in base else "-")
             ratios.append(f"| {size} | {T} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ratios + ["", "Ratios are fp32 tokens/s."])
 
@@ -237,6 +252,7 @@ def main(argv=None):
     parser.add_argument("--sizes", type=csv(str), default=list(SIZES))
     parser.add_argument("--seq-lens", type=csv(int), default=[256, 1024, 4096])
     parser.add_argument("--models", type=csv(str), default=list(TRAIN_MODELS))
+    parser.add_argument("--precisions", type=csv(str), default=["fp32", "bf16"])
     parser.add_argument("--tokens-per-step", type=int, default=8192)
     parser.add_argument("--min-seconds", type=float, default=3.0)
     parser.add_argument("--max-iters", type=int, default=5)
@@ -252,8 +268,11 @@ def main(argv=None):
         if name not in TRAIN_MODELS:
             parser.error(f"--models: unknown model {name!r}; choose from {list(TRAIN_MODELS)}")
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    peaks, tables = None, []
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "
+               f"ATen capability {torch.backends.cpu.get_cpu_capability()}")
+    print(machine, flush=True)
+    peaks, tables = None, [f"Machine: {machine}"]
     if "peak" in args.parts or "train" in args.parts:
         peaks, table = part_peak(args)
         tables.append("### Matmul peak\n\n" + table)

@@ -9,7 +9,11 @@ bilinear model's. They share the tokenizer and the whole training pipeline of tr
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel
 
 MODEL_TYPES = ("bilinear", "llama", "mamba")
@@ -89,3 +93,39 @@ def build_model(model_type: str, model_config: dict, vocab_size: int) -> PreTrai
     if model_type == "mamba":
         return MambaForCausalLM(matched_baseline_config("mamba", model_config, vocab_size))
     raise ValueError(f"unknown model_type {model_type!r}; choose one of {MODEL_TYPES}")
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding -> ``torch.nn.LSTM`` -> linear head, called like an HF causal LM:
+    ``forward(input_ids, labels=None) -> .logits`` (and ``.loss``, next-token cross-entropy, with labels)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int = 1):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                                      tie_word_embeddings=False, model_type="lstm")
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.lstm = nn.LSTM(hidden_size, hidden_size, num_layers=num_layers, batch_first=True)
+        self.head = nn.Linear(hidden_size, vocab_size)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, labels=None, **_):
+        hidden, _ = self.lstm(self.embed(input_ids))
+        logits = self.head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return SimpleNamespace(logits=logits, loss=loss)
+
+
+def matched_lstm(bilinear_config_dict: dict, vocab_size: int) -> LSTMLanguageModel:
+    """An LSTM LM with the bilinear model's depth and about its parameter count (width solved in closed form)."""
+    from bilinear_lm import BilinearForCausalLM
+
+    bcfg = bilinear_config(bilinear_config_dict, vocab_size)
+    target, layers = _meta_count(BilinearForCausalLM, bcfg), bcfg.num_hidden_layers
+    # params(d) = 8 d^2 L + 8 d L (LSTM) + 2 V d + V (embedding, head)
+    a, b, c = 8 * layers, 8 * layers + 2 * vocab_size, vocab_size - target
+    width = max(1, round((-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)))
+    return LSTMLanguageModel(vocab_size, width, layers)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bilinear_lm.baselines import LSTMLanguageModel  # noqa: E402
 from bilinear_lm.probes import TASK_NAMES, Task, make_task  # noqa: E402
 from bilinear_lm.probes.tasks import USES_M  # noqa: E402
 
@@ -58,35 +59,13 @@ VAL_SEED, TEST_SEED = 1_000_003, 2_000_003  # data seeds shared by all runs: eve
 
 
 # ---------------------------------------------------------------------------- models
-class LSTMLM(nn.Module):
-    """Embedding -> LSTM -> linear readout, with the HF-style ``forward(input_ids) -> .logits``."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int = 1):
-        super().__init__()
-        self.config = SimpleNamespace(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers)
-        self.embed = nn.Embedding(vocab_size, hidden_size)
-        self.lstm = nn.LSTM(hidden_size, hidden_size, num_layers=num_layers, batch_first=True)
-        self.head = nn.Linear(hidden_size, vocab_size)
-
-    def forward(self, input_ids, **_):
-        h, _ = self.lstm(self.embed(input_ids))
-        return SimpleNamespace(logits=self.head(h))
-
-
 def _hf_build(model_type: str, cfg: dict, vocab_size: int):
     """Bilinear models go through bilinear_lm.baselines.build_model (the shared code path); the Llama /
     Mamba baselines are built here from explicit configs, because baselines.build_model sizes them to match
     a bilinear parameter count, whereas the probe grid fixes their depth (1/2/4) and width."""
     if model_type == "bilinear":
-        import bilinear_lm
+        from bilinear_lm.baselines import build_model
 
-        if not hasattr(bilinear_lm, "BilinearConfig"):
-            raise SystemExit("bilinear models need bilinear_lm.BilinearConfig, which is not available "
-                             "(the core model has not landed); use --model lstm / transformer-N / mamba-N")
-        try:
-            from bilinear_lm.baselines import build_model
-        except ImportError:
-            return bilinear_lm.BilinearForCausalLM(bilinear_lm.BilinearConfig(vocab_size=vocab_size, **cfg))
         return build_model("bilinear", dict(cfg), vocab_size)
     if model_type == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -141,7 +120,7 @@ def build_model(name: str, task: Task, args) -> tuple[nn.Module, dict]:
     vocab = max(task.vocab_size, task.num_classes)
     model_type, cfg = model_spec(name, args, task.vocab_size)
     if model_type == "lstm":
-        model = LSTMLM(vocab, cfg["hidden_size"], cfg["num_layers"])
+        model = LSTMLanguageModel(vocab, cfg["hidden_size"], cfg["num_layers"])
     else:
         model = _hf_build(model_type, cfg, vocab)
     return model, {"model_type": model_type, "vocab_size": vocab, **cfg}

@@ -159,6 +159,21 @@ def test_baselines_are_parameter_matched(model_type):
     assert abs(count_parameters(baseline) / n_bilinear - 1) < 0.1
 
 
+def test_lstm_baseline_is_parameter_matched_and_its_loss_is_next_token_cross_entropy():
+    import train
+    from bilinear_lm.baselines import build_model, count_parameters, matched_lstm
+
+    cfg = train.parse_config(["--config", PRESET])
+    n_bilinear = count_parameters(build_model("bilinear", cfg["model"], vocab_size=65))
+    lstm = matched_lstm(cfg["model"], vocab_size=65)
+    assert lstm.lstm.num_layers == cfg["model"]["num_hidden_layers"]
+    assert abs(count_parameters(lstm) / n_bilinear - 1) < 0.05
+    ids = torch.randint(0, 65, (2, 9))
+    out = lstm(ids, labels=ids)
+    manual = -out.logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    torch.testing.assert_close(out.loss, manual)
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"train_file": "/nonexistent/input.txt"}, "does not exist"),
     ({"train_file": "EMPTY"}, "is empty"),
