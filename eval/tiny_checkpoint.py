@@ -78,15 +78,6 @@ def cached_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512
     return _TOKENIZER_CACHE[key]
 
 
-def bilinear_available() -> bool:
-    """True once the core area's model exists (bilinear_lm.BilinearForCausalLM)."""
-    try:
-        import bilinear_lm
-    except ImportError:
-        return False
-    return hasattr(bilinear_lm, "BilinearForCausalLM")
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")

@@ -13,13 +13,11 @@ import torch
 
 from eval import perplexity as ppl
 from eval.lm_eval_tasks import bilinear_local_utils as local
-from eval.tiny_checkpoint import bilinear_available, build_tiny_model, cached_tokenizer, save_tiny_checkpoint
+from eval.tiny_checkpoint import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = REPO / "eval" / "lm_eval_tasks"
-BILINEAR = pytest.param("bilinear", marks=pytest.mark.skipif(
-    not bilinear_available(), reason="bilinear_lm.BilinearForCausalLM not implemented yet"))
-MODEL_TYPES = ["llama", BILINEAR]
+MODEL_TYPES = ["llama", "bilinear"]
 N_WIKI, N_LAMBADA = 3, 6
 
 
@@ -53,10 +51,9 @@ def cli_run(tokenizer, small_data_dir, tmp_path_factory):
     """Launch the stock CLI once, in the background, as soon as the module starts (it spends ~15 s
     indexing lm-eval's built-in tasks); test_stock_lm_eval_cli_on_saved_checkpoint waits for it.
     `lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True --include_path ...`
-    on a saved checkpoint: the bilinear one when that model exists, else llama."""
+    on a saved bilinear checkpoint."""
     tmp = tmp_path_factory.mktemp("lm_eval_cli")
-    model_type = "bilinear" if bilinear_available() else "llama"
-    ckpt = save_tiny_checkpoint(tmp / "ckpt", model_type, tokenizer=tokenizer, seed=4)
+    ckpt = save_tiny_checkpoint(tmp / "ckpt", "bilinear", tokenizer=tokenizer, seed=4)
     exe = Path(sys.executable).with_name("lm_eval")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lm_eval"]
     out_dir = tmp / "results"
@@ -67,7 +64,7 @@ def cli_run(tokenizer, small_data_dir, tmp_path_factory):
            "OMP_NUM_THREADS": "1", local.DATA_ENV: str(small_data_dir)}
     log = open(tmp / "log.txt", "w+")
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    yield {"proc": proc, "out_dir": out_dir, "log": log, "model_type": model_type}
+    yield {"proc": proc, "out_dir": out_dir, "log": log, "model_type": "bilinear"}
     if proc.poll() is None:
         proc.kill()
         proc.wait()

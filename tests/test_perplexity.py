@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from eval import perplexity as ppl
-from eval.tiny_checkpoint import bilinear_available, build_tiny_model, cached_tokenizer, save_tiny_checkpoint
+from eval.tiny_checkpoint import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
-BILINEAR = pytest.param("bilinear", marks=pytest.mark.skipif(
-    not bilinear_available(), reason="bilinear_lm.BilinearForCausalLM not implemented yet"))
-MODEL_TYPES = ["llama", BILINEAR]
+MODEL_TYPES = ["llama", "bilinear"]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +130,6 @@ def test_streaming_state_equals_full_forward(model_type, segment_len, tokenizer,
     assert nll == pytest.approx(ref, rel=1e-9)
 
 
-@pytest.mark.skipif(not bilinear_available(), reason="bilinear_lm.BilinearForCausalLM not implemented yet")
 def test_bilinear_cache_is_recurrent(tokenizer, ids):
     model = get_model("bilinear", len(tokenizer))
     with torch.no_grad():
@@ -176,10 +173,7 @@ def test_metric_definitions_match_lm_eval_wikitext():
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("ppl_ckpt")
-    out = {"llama": save_tiny_checkpoint(root / "llama", "llama", tokenizer=tokenizer, seed=2)}
-    if bilinear_available():
-        out["bilinear"] = save_tiny_checkpoint(root / "bilinear", "bilinear", tokenizer=tokenizer, seed=2)
-    return out
+    return {name: save_tiny_checkpoint(root / name, name, tokenizer=tokenizer, seed=2) for name in MODEL_TYPES}
 
 
 @pytest.fixture(scope="module")
