@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from bilinear_lm.baselines import LSTMLanguageModel
 from bilinear_lm.probes import make_task
 from eval import state_tracking as st
 
@@ -40,7 +41,7 @@ def test_parity_bilinear_diagonal_generalizes_to_longer_sequences():
 def test_chunked_evaluation_matches_one_batch():
     torch.manual_seed(0)
     task = make_task("cycle_navigation", 4)
-    model = st.LSTMLM(max(task.vocab_size, task.num_classes), 8)
+    model = LSTMLanguageModel(max(task.vocab_size, task.num_classes), 8)
     x, y = task.sample(13, 17, torch.Generator().manual_seed(0))
     acc1, loss1 = st.evaluate(model, x, y, task.num_classes, eval_tokens=10 ** 6)
     acc2, loss2 = st.evaluate(model, x, y, task.num_classes, eval_tokens=17 * 3)  # chunks of 3 sequences

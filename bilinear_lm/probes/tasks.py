@@ -114,7 +114,7 @@ def modular_addition(m: int = 5) -> Task:
     m = _check_m(m, 2, "modular_addition")
     s, q = torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij")
     auto = Automaton((q + s) % m, start=0, name=f"modular_addition_m{m}")
-    return Task(f"modular_addition", auto, uniform_sampler(m), {"m": m})
+    return Task("modular_addition", auto, uniform_sampler(m), {"m": m})
 
 
 def parity() -> Task:
