@@ -146,16 +146,14 @@ class _CPScan(torch.autograd.Function):
     """Rank-space scan ``g_t = s_t u_t p_{t-1}``, ``p_t = M g_t`` (``p_t = p_{t-1}`` where padded).
 
     ``p_t = W2^T h_t`` and ``h_t = W1 g_t``; ``s_t`` is the detached normalization factor (1 off boundaries).
-    Layout ``[T, N, B, R]``; ``keep``: ``[T, B]`` bool or None. The loops run in the compiled kernel when one is
+    Layout ``[T, N, B, R]``; ``keep``: ``[T, B]`` bool, or empty when nothing is padded. The loops run in the compiled kernel when one is
     given, else in PyTorch (one batched matmul over heads per step). Returns all ``g_t``.
     """
 
     @staticmethod
     def forward(ctx, u, Mt, p0, keep, W1, chunk, offset, kernel):
-        if kernel is not None:
-            G, P, S = kernel.forward(u, Mt, W1, _kernel_keep(keep, u), p0.contiguous(), chunk, offset)
-        else:
-            G, P, S = _torch_scan_forward(u, Mt, p0, keep, W1, chunk, offset)
+        scan_forward = _torch_scan_forward if kernel is None else kernel.forward
+        G, P, S = scan_forward(u, Mt, W1, keep, p0.contiguous(), chunk, offset)
         ctx.save_for_backward(u, Mt, G, P, S, keep)
         ctx.kernel = kernel
         return G
@@ -168,33 +166,21 @@ class _CPScan(torch.autograd.Function):
         MtT = Mt.transpose(1, 2).contiguous()
         DGT = torch.empty_like(u)  # total gradient of each g_t
         DP = torch.empty_like(u)  # gradient of p_t flowing into step t's matmul (zero where padded)
-        if ctx.kernel is not None:
-            dp = ctx.kernel.backward(dG.contiguous(), su, MtT, _kernel_keep(keep, u), DGT, DP)
-        else:
-            keep4 = None if keep is None else keep[:, None, :, None]
-            dp = torch.zeros_like(P[0])
-            for t in range(T - 1, -1, -1):
-                if keep4 is None:
-                    DP[t] = dp
-                    torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
-                    dp = su[t] * DGT[t]
-                else:
-                    torch.where(keep4[t], dp, torch.zeros_like(dp), out=DP[t])
-                    torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-                    dp = su[t] * DGT[t] + torch.where(keep4[t], torch.zeros_like(dp), dp)
+        scan_backward = _torch_scan_backward if ctx.kernel is None else ctx.kernel.backward
+        dp = scan_backward(dG.contiguous(), su, MtT, keep, DGT, DP)
         du = S * P[:T] * DGT
         dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
         return du, dMt, dp, None, None, None, None, None
 
 
-def _torch_scan_forward(u, Mt, p0, keep, W1, chunk, offset):
-    """The scan's forward loop in PyTorch: ``(G, P, S)`` (see :class:`_CPScan`)."""
+def _torch_scan_forward(u, Mt, W1, keep, p0, chunk, offset):
+    """The scan's forward loop in PyTorch, same signature as the kernel's: ``(G, P, S)`` (see :class:`_CPScan`)."""
     T = u.shape[0]
     G = torch.empty_like(u)
     P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
     S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
     P[0] = p0
-    keep4 = None if keep is None else keep[:, None, :, None]
+    keep4 = keep[:, None, :, None] if keep.numel() else None
 
     def run(t0, t1, every_step, G, P, S):
         for t in range(t0, t1):
@@ -220,8 +206,20 @@ def _torch_scan_forward(u, Mt, p0, keep, W1, chunk, offset):
     return G, P, S
 
 
-def _kernel_keep(keep, like):
-    return torch.empty(0, dtype=torch.bool, device=like.device) if keep is None else keep
+def _torch_scan_backward(dG, su, MtT, keep, DGT, DP):
+    """The scan's backward loop in PyTorch, same signature as the kernel's: fills DGT, DP, returns dL/dp_0."""
+    keep4 = keep[:, None, :, None] if keep.numel() else None
+    dp = torch.zeros_like(su[0])
+    for t in range(su.shape[0] - 1, -1, -1):
+        if keep4 is None:
+            DP[t] = dp
+            torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
+            dp = su[t] * DGT[t]
+        else:
+            DP[t] = torch.where(keep4[t], dp, 0.0)
+            torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
+            dp = su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
+    return dp
 
 
 def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto"):
@@ -247,7 +245,7 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
             "recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel build; "
             "use recurrence_impl='auto' or 'torch'"
         )
-    keep = None if mask is None else mask.bool().t().contiguous()
+    keep = torch.empty(0, dtype=torch.bool, device=u.device) if mask is None else mask.bool().t().contiguous()
     G = _CPScan.apply(u.permute(1, 2, 0, 3).contiguous(), Mt.contiguous(), p0, keep, W1.detach().contiguous(),
                       chunk, offset, kernel)
     states = torch.einsum("nhr,tnbr->btnh", W1, G)
