@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .utils import eval_mode
+
 REPO_TASKS_DIR = Path(__file__).resolve().parents[1] / "eval" / "lm_eval_tasks"
 
 
@@ -90,9 +92,7 @@ def run_lm_eval(model, tokenizer, tasks, limit: int | float | None = None, batch
             raise ValueError(f"run_lm_eval: include_path {include_path!r} does not exist")
         include_path = str(include_path)
 
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         hf_kwargs = {"pretrained": model, "tokenizer": tokenizer, "batch_size": batch_size if isinstance(batch_size, str) else int(batch_size)}
         if max_length is not None:
             hf_kwargs["max_length"] = int(max_length)
@@ -101,8 +101,6 @@ def run_lm_eval(model, tokenizer, tasks, limit: int | float | None = None, batch
         out = simple_evaluate(model=lm, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
                               bootstrap_iters=bootstrap_iters, task_manager=task_manager,
                               log_samples=False, **simple_evaluate_kwargs)
-    finally:
-        model.train(was_training)
     if out is None:  # non-zero rank in distributed runs
         return {}
     if return_raw:

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bilinear_lm.utils import eval_mode
+
 __all__ = [
     "streaming_perplexity",
     "strided_perplexity",
@@ -117,9 +119,7 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
     ids = _as_1d(input_ids).to(_model_device(model))
     if segment_len < 1:
         raise ValueError(f"segment_len must be >= 1, got {segment_len}")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         total, count, past = 0.0, 0, None
         n_in = ids.numel() - 1  # inputs ids[0:n_in] predict ids[1:n_in+1]
         for start in range(0, n_in, segment_len):
@@ -143,8 +143,6 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
                         "would grow memory with the text and exceed the position range; use --mode strided "
                         "(strided_perplexity) for this model")
         return total, count
-    finally:
-        model.train(was_training)
 
 
 @torch.inference_mode()
@@ -161,9 +159,7 @@ def strided_perplexity(model, input_ids, max_length: int = 1024, stride: int = 5
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     if not 1 <= stride <= max_length - 1:
         raise ValueError(f"stride must be in [1, max_length - 1] = [1, {max_length - 1}], got {stride}")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         seq_len = ids.numel()
         total, count, prev_end = 0.0, 0, 1  # ids[0] (prefix) is never scored
         for begin in range(0, seq_len, stride):
@@ -179,8 +175,6 @@ def strided_perplexity(model, input_ids, max_length: int = 1024, stride: int = 5
             if end == seq_len:
                 break
         return total, count
-    finally:
-        model.train(was_training)
 
 
 @torch.inference_mode()
@@ -193,9 +187,7 @@ def rolling_perplexity(model, input_ids, max_length: int = 2048):
     ids = _as_1d(input_ids).to(_model_device(model))
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         seq_len = ids.numel()
         total, count = 0.0, 0
         for s in range(1, seq_len, max_length):  # targets ids[s:e]
@@ -205,8 +197,6 @@ def rolling_perplexity(model, input_ids, max_length: int = 2048):
             total += _nll_sum(out.logits[0, s - 1 - begin :], ids[s:e])
             count += e - s
         return total, count
-    finally:
-        model.train(was_training)
 
 
 def full_forward_nll(model, input_ids):
@@ -289,11 +279,7 @@ def load_model_and_tokenizer(ckpt: str, tokenizer_path: str | None = None, trust
                              dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:  # registers model_type "bilinear" with the Auto classes (if the package is available)
-        import bilinear_lm  # noqa: F401
-    except Exception:
-        pass
-    path = Path(ckpt)
+    path = Path(ckpt)  # model_type "bilinear" is registered by the bilinear_lm import at the top
     if not path.exists():
         raise SystemExit(f"error: checkpoint {ckpt!r} does not exist (pass a directory written by save_pretrained)")
     if not (path / "config.json").is_file():

@@ -50,6 +50,7 @@ if __package__ in (None, ""):
 from bilinear_lm.baselines import LSTMLanguageModel  # noqa: E402
 from bilinear_lm.probes import TASK_NAMES, Task, make_task  # noqa: E402
 from bilinear_lm.probes.tasks import USES_M  # noqa: E402
+from bilinear_lm.utils import eval_mode  # noqa: E402
 
 BILINEAR_MIXERS = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in BILINEAR_MIXERS) + (
@@ -133,18 +134,16 @@ def class_logits(model, tokens: torch.Tensor, num_classes: int) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, tokens, labels, num_classes: int, eval_tokens: int = 8192):
     """Chunked over the batch under no_grad -> (per-position accuracy [T], mean loss)."""
-    was_training = model.training
-    model.eval()
-    B, T = tokens.shape
-    chunk = max(1, eval_tokens // T)
-    correct = torch.zeros(T, dtype=torch.float64)
-    loss_sum = 0.0
-    for i in range(0, B, chunk):
-        x, y = tokens[i:i + chunk], labels[i:i + chunk]
-        logits = class_logits(model, x, num_classes)
-        correct += (logits.argmax(-1) == y).sum(0).double()
-        loss_sum += F.cross_entropy(logits.reshape(-1, num_classes), y.reshape(-1), reduction="sum").item()
-    model.train(was_training)
+    with eval_mode(model):
+        B, T = tokens.shape
+        chunk = max(1, eval_tokens // T)
+        correct = torch.zeros(T, dtype=torch.float64)
+        loss_sum = 0.0
+        for i in range(0, B, chunk):
+            x, y = tokens[i:i + chunk], labels[i:i + chunk]
+            logits = class_logits(model, x, num_classes)
+            correct += (logits.argmax(-1) == y).sum(0).double()
+            loss_sum += F.cross_entropy(logits.reshape(-1, num_classes), y.reshape(-1), reduction="sum").item()
     return correct / B, loss_sum / (B * T)
 
 
