@@ -165,3 +165,51 @@ def test_paper_minimal_model_is_a_config():
                             num_heads=1, state_size=8, rank=8)
     model = BilinearForCausalLM(config)
     assert [name for name, _ in model.model.layers[0].named_children()] == ["mixer_norm", "mixer"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_linear_kernel_equals_matmul(dtype):
+    from bilinear_lm.modeling.cpu_kernels import Linear, load_kernel
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler: Linear is plain F.linear here")
+    torch.manual_seed(0)
+    layer = Linear(37, 23).to(dtype)  # out features not a multiple of the kernel's 4-row blocks
+    for shape in [(1, 1, 37), (3, 37), (2, 2, 37), (5, 37)]:  # 1-4 rows take the kernel, 5 the matmul
+        x = torch.randn(shape, dtype=dtype)
+        with torch.no_grad():
+            y = layer(x)
+        expected = (x.double() @ layer.weight.double().t()).to(dtype)
+        assert y.shape == (*shape[:-1], 23)
+        torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6)
+    x = torch.randn(1, 37, dtype=dtype, requires_grad=True)
+    layer(x).sum().backward()  # with gradients enabled the layer is F.linear, so autograd works
+    torch.testing.assert_close(x.grad, layer.weight.sum(0, keepdim=True))
+
+
+@pytest.mark.parametrize("use_gate,use_mlp", [(True, True), (False, False)])
+@pytest.mark.parametrize("offset", [5, 6])  # position 7 is a normalization boundary with norm_chunk_size 7
+def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, use_mlp, offset):
+    from bilinear_lm.modeling.cpu_kernels import load_kernel
+    from bilinear_lm.modeling.modeling_bilinear import BilinearBlock
+
+    if load_kernel() is None:
+        pytest.skip("no C++ compiler: decoding runs the modules")
+    config = with_changes(tiny_bilinear_config, use_gate=use_gate, use_mlp=use_mlp, norm_chunk_size=7)
+    torch.manual_seed(0)
+    block = BilinearBlock(config, 0).double()
+    block.mixer.reset_parameters()
+    B, N, H = 3, config.num_heads, config.state_size
+    x = torch.randn(B, 1, config.hidden_size, dtype=torch.float64)
+    state = torch.randn(B, N, H, dtype=torch.float64)
+    state[1, 0] *= 1e30  # leaves the safe range after the step: the overflow guard renormalizes this head
+    mask = torch.tensor([[1], [1], [0]])  # the last row is padding: its state must stay unchanged
+    assert block._takes_fused_decode_step(x) is False  # gradients enabled: the modules
+    expected = block(x, state, mask, offset)
+    with torch.no_grad():
+        assert block._takes_fused_decode_step(x)
+        fused = block(x, state, mask, offset)
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused[1][2], state[2], rtol=0, atol=0)
+    assert fused[1][1, 0].abs().max() < 2.0  # renormalized by the guard

@@ -16,6 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_bilinear import BilinearConfig
+from .cpu_kernels import SMALL_BATCH_ROWS, Linear, kernel_available_for, load_kernel
 from .recurrence import (
     block_diagonal_transition,
     cp_recurrence,
@@ -54,7 +55,7 @@ class BilinearCache:
 
 
 class BilinearRMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in fp32."""
+    """RMSNorm over the last dimension, computed in at least fp32."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -63,7 +64,7 @@ class BilinearRMSNorm(nn.Module):
 
     def forward(self, x):
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x).to(dtype)
 
@@ -96,7 +97,7 @@ class BilinearMixer(nn.Module):
         self.factor_size = R if config.mixer_type in ("cp", "full", "block_diagonal") else H
         # One fused input projection: [input factors | output gate | additive input].
         self.split_sizes = [N * self.factor_size, N * H if config.use_gate else 0, N * H if config.additive_input else 0]
-        self.in_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
+        self.in_proj = Linear(config.hidden_size, sum(self.split_sizes))
         self.factor_bias = nn.Parameter(torch.zeros(N * self.factor_size))
         if config.mixer_type == "cp":
             self.W1 = nn.Parameter(torch.empty(N, H, R))
@@ -108,7 +109,7 @@ class BilinearMixer(nn.Module):
             self.W = nn.Parameter(torch.empty(N, H // b, b, b, R))
         self.h0 = nn.Parameter(torch.empty(N, H))
         self.state_norm = BilinearStateNorm(N, H)
-        self.out_proj = nn.Linear(N * H, config.hidden_size, bias=False)
+        self.out_proj = Linear(N * H, config.hidden_size)
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -189,8 +190,8 @@ class BilinearMLP(nn.Module):
 
     def __init__(self, config: BilinearConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
@@ -212,11 +213,35 @@ class BilinearBlock(GradientCheckpointingLayer):
             self.mlp = None
 
     def forward(self, hidden_states, state=None, mask=None, offset: int = 0):
+        if self._takes_fused_decode_step(hidden_states):
+            return self._fused_decode_step(hidden_states, state, mask, offset)
         mixed, final_state = self.mixer(self.mixer_norm(hidden_states), state, mask, offset)
         hidden_states = hidden_states + mixed
         if self.mlp is not None:
             hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
         return hidden_states, final_state
+
+    def _takes_fused_decode_step(self, x) -> bool:
+        """Whether this call is a decoding step the compiled one-call block step covers (CPU, fp32/fp64, no
+        gradients, one position, a few rows, CP mixer, SwiGLU); anything else runs the modules above."""
+        cfg = self.mixer.config
+        return (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
+                and cfg.mixer_type == "cp" and not cfg.additive_input and cfg.hidden_act == "silu"
+                and cfg.recurrence_impl in ("auto", "cpp") and x.dtype == self.mixer.W1.dtype
+                and not torch.is_autocast_enabled(x.device.type) and kernel_available_for(x))
+
+    def _fused_decode_step(self, x, state, mask, offset):
+        B, _, D = x.shape
+        mixer, chunk = self.mixer, self.mixer.config.norm_chunk_size
+        h = (mixer.h0 if state is None else state).to(x.dtype).expand(B, *mixer.h0.shape).contiguous()
+        keep = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().contiguous()
+        mlp = [self.mlp_norm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight] if self.mlp else \
+            [torch.empty(0, dtype=x.dtype)] * 3
+        x_new, h_new = load_kernel().decode_block(
+            x.reshape(B, D).contiguous(), h, keep, chunk > 0 and (offset + 1) % chunk == 0, chunk > 0,
+            self.mixer_norm.weight, self.mixer_norm.eps, mixer.in_proj.weight, mixer.factor_bias, mixer.W1, mixer.W2,
+            mixer.state_norm.weight, mixer.out_proj.weight, *mlp)
+        return x_new.view(B, 1, D), h_new
 
 
 class BilinearPreTrainedModel(PreTrainedModel):
@@ -315,7 +340,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
     def __init__(self, config: BilinearConfig):
         super().__init__(config)
         self.model = BilinearModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.post_init()
 
     def get_input_embeddings(self):

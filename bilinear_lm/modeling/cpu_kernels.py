@@ -1,0 +1,365 @@
+"""C++ CPU kernels, compiled on first use and cached by torch: the CP rank-space scan and a small-batch GEMV.
+
+Every (head, batch row) evolves independently, so each is one thread's sequential loop over time with no
+per-step synchronization or dispatch. It computes exactly what the PyTorch loop in ``recurrence._CPScan``
+computes (tested against it and against the reference loop). :func:`load_kernel` returns ``None`` when the kernel
+cannot be built (no compiler), and the PyTorch loop is used instead.
+"""
+
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
+// keep: [T, B] bool or empty (no padding). Each (head, row) runs its whole sequence in one thread, chunk by
+// chunk; a chunk whose peak |g| leaves [2^-60, 2^60] is recomputed for that (head, row) normalizing every step.
+template <typename scalar_t>
+struct RowScan {
+  const scalar_t* u; const scalar_t* M; const scalar_t* W; const bool* keep;
+  scalar_t* P; scalar_t* G; scalar_t* S;
+  int64_t N, B, R, H, n, b, chunk, offset;
+
+  // Steps [t0, t1); returns whether every step's peak |g| stayed in the safe range.
+  bool run(int64_t t0, int64_t t1, bool every_step) {
+    const scalar_t tiny = std::numeric_limits<scalar_t>::min();
+    bool in_range = true;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t row = (t * N + n) * B + b;
+      const scalar_t* __restrict__ ut = u + row * R;
+      const scalar_t* __restrict__ pt = P + row * R;
+      scalar_t* __restrict__ pn = P + (row + N * B) * R;
+      scalar_t* __restrict__ g = G + row * R;
+      const bool keep_t = keep ? keep[t * B + b] : true;
+      for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
+      scalar_t s = 1;
+      const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
+      if ((every_step || boundary) && keep_t) {
+        scalar_t norm2 = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t acc = 0;
+          for (int64_t r = 0; r < R; ++r) acc += W[h * R + r] * g[r];
+          norm2 += acc * acc;
+        }
+        s = scalar_t(1) / std::max(std::sqrt(norm2), tiny);
+        for (int64_t r = 0; r < R; ++r) g[r] *= s;
+      }
+      S[row] = s;
+      scalar_t peak = 0;
+      for (int64_t r = 0; r < R; ++r) peak = std::max(peak, std::abs(g[r]));
+      in_range = in_range && peak < scalar_t(0x1p60) && peak > scalar_t(0x1p-60);  // NaN fails both
+      if (keep_t) {
+        for (int64_t c = 0; c < R; ++c) pn[c] = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const scalar_t gr = g[r];
+          const scalar_t* __restrict__ Mr = M + r * R;
+          for (int64_t c = 0; c < R; ++c) pn[c] += gr * Mr[c];
+        }
+      } else {
+        for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
+      }
+    }
+    return in_range;
+  }
+};
+
+std::vector<torch::Tensor> forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
+                                   torch::Tensor p0, int64_t chunk, int64_t offset) {
+  const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
+  auto G = torch::empty_like(u);
+  auto P = torch::empty({T + 1, N, B, R}, u.options());
+  auto S = torch::empty({T, N, B, 1}, u.options());
+  P[0].copy_(p0);
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
+    const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+    at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int64_t n = nb / B, b = nb % B;
+        RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
+                               W1.data_ptr<scalar_t>() + n * H * R, kp, P.data_ptr<scalar_t>(),
+                               G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset};
+        for (int64_t t0 = 0; t0 < T;) {
+          const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
+          if (!scan.run(t0, t1, false) && chunk > 0) scan.run(t0, t1, true);
+          t0 = t1;
+        }
+      }
+    });
+  });
+  return {G, P, S};
+}
+
+// Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and
+// DP (grad of p_t entering step t's matmul, zero where padded); returns the grad of p_0: [N, B, R].
+template <typename scalar_t>
+void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const torch::Tensor& MtT,
+                     const torch::Tensor& keep, torch::Tensor& DGT, torch::Tensor& DP, torch::Tensor& dp0) {
+  const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
+  const scalar_t* dgp = dG.data_ptr<scalar_t>();
+  const scalar_t* sup = su.data_ptr<scalar_t>();
+  const scalar_t* mp = MtT.data_ptr<scalar_t>();
+  const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+  scalar_t* dgtp = DGT.data_ptr<scalar_t>();
+  scalar_t* dpp = DP.data_ptr<scalar_t>();
+  scalar_t* outp = dp0.data_ptr<scalar_t>();
+  at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> dp(R);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n = nb / B, b = nb % B;
+      const scalar_t* M = mp + n * R * R;
+      std::fill(dp.begin(), dp.end(), scalar_t(0));
+      for (int64_t t = T - 1; t >= 0; --t) {
+        const int64_t row = (t * N + n) * B + b;
+        const bool keep_t = kp ? kp[t * B + b] : true;
+        scalar_t* __restrict__ dpt = dpp + row * R;
+        scalar_t* __restrict__ dgt = dgtp + row * R;
+        const scalar_t* __restrict__ dgo = dgp + row * R;
+        const scalar_t* __restrict__ sut = sup + row * R;
+        for (int64_t r = 0; r < R; ++r) { dpt[r] = keep_t ? dp[r] : scalar_t(0); dgt[r] = dgo[r]; }
+        if (keep_t) {
+          for (int64_t c = 0; c < R; ++c) {
+            const scalar_t dc = dpt[c];
+            const scalar_t* __restrict__ Mc = M + c * R;
+            for (int64_t r = 0; r < R; ++r) dgt[r] += dc * Mc[r];
+          }
+          for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r];
+        } else {
+          for (int64_t r = 0; r < R; ++r) dp[r] += sut[r] * dgt[r];
+        }
+      }
+      scalar_t* out = outp + (n * B + b) * R;
+      for (int64_t r = 0; r < R; ++r) out[r] = dp[r];
+    }
+  });
+}
+
+torch::Tensor backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
+                       torch::Tensor DGT, torch::Tensor DP) {
+  auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
+  AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
+    backward_kernel<scalar_t>(dG, su, MtT, keep, DGT, DP, dp0);
+  });
+  return dp0;
+}
+
+// y = x @ W^T for a few rows of x ([M, K], M small: decoding) and W [N, K] row-major: the output features are
+// split across threads and each weight row is streamed from memory once for all M rows. (MKL's GEMV reaches a
+// third of this CPU's memory bandwidth; this is what makes a decode step weight-bandwidth bound.)
+template <typename scalar_t>
+void small_batch_linear_kernel(const scalar_t* xp, const scalar_t* wp, scalar_t* yp, int64_t M, int64_t K,
+                               int64_t N) {
+  // Four weight rows at a time: four independent accumulators keep the FMA units busy.
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t n0 = 4 * q, rows = std::min<int64_t>(4, N - n0);
+      const scalar_t* __restrict__ w0 = wp + n0 * K;
+      const scalar_t* __restrict__ w1 = wp + (n0 + std::min<int64_t>(1, rows - 1)) * K;
+      const scalar_t* __restrict__ w2 = wp + (n0 + std::min<int64_t>(2, rows - 1)) * K;
+      const scalar_t* __restrict__ w3 = wp + (n0 + std::min<int64_t>(3, rows - 1)) * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const scalar_t* __restrict__ xm = xp + m * K;
+        scalar_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t k = 0; k < K; ++k) {
+          a0 += w0[k] * xm[k];
+          a1 += w1[k] * xm[k];
+          a2 += w2[k] * xm[k];
+          a3 += w3[k] * xm[k];
+        }
+        const scalar_t acc[4] = {a0, a1, a2, a3};
+        for (int64_t i = 0; i < rows; ++i) yp[m * N + n0 + i] = acc[i];
+      }
+    }
+  });
+}
+
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor W) {
+  auto y = torch::empty({x.size(0), W.size(0)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "small_batch_linear", [&] {
+    small_batch_linear_kernel<scalar_t>(x.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+                                        x.size(0), x.size(1), W.size(0));
+  });
+  return y;
+}
+
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t M, int64_t D, double eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    scalar_t ms = 0;
+    for (int64_t d = 0; d < D; ++d) ms += x[m * D + d] * x[m * D + d];
+    const scalar_t r = scalar_t(1) / std::sqrt(ms / D + scalar_t(eps));
+    for (int64_t d = 0; d < D; ++d) out[m * D + d] = w[d] * (x[m * D + d] * r);
+  }
+}
+
+template <typename scalar_t>
+inline scalar_t silu(scalar_t z) { return z / (scalar_t(1) + std::exp(-z)); }
+
+// One decoding step (one position, a few rows) of a whole block: RMSNorm -> CP mixer (one recurrence step with the
+// reference loop's normalization and overflow guard, normalized and gated readout) -> residual -> RMSNorm -> SwiGLU
+// -> residual. The same computation as the modules' forward, in one call instead of about fifty small ops.
+// x: [B, D]; h: [B, N, H] (updated in place); keep: [B] bool or empty; in_proj rows: [N*R factors | N*H gate or none];
+// MLP weights empty when the block has no MLP.
+template <typename scalar_t>
+void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool boundary, bool guard, int64_t B, int64_t D,
+                         int64_t N, int64_t H, int64_t R, bool gated, const scalar_t* mixer_norm_w, double eps,
+                         const scalar_t* in_w, const scalar_t* bias, const scalar_t* W1, const scalar_t* W2,
+                         const scalar_t* state_w, const scalar_t* out_w, const scalar_t* mlp_norm_w,
+                         const scalar_t* gate_up_w, const scalar_t* down_w, int64_t I) {
+  const int64_t F = N * R, G = gated ? N * H : 0;
+  std::vector<scalar_t> xn(B * D), z(B * (F + G)), y(B * N * H), o(B * D), p(R), g(R);
+  rms_norm_rows(x, mixer_norm_w, xn.data(), B, D, eps);
+  small_batch_linear_kernel(xn.data(), in_w, z.data(), B, D, F + G);
+  const scalar_t tiny = std::numeric_limits<scalar_t>::min();
+  for (int64_t b = 0; b < B; ++b) {
+    const bool keep_b = keep ? keep[b] : true;
+    for (int64_t n = 0; n < N; ++n) {
+      scalar_t* hb = h + (b * N + n) * H;
+      const scalar_t* w1 = W1 + n * H * R;
+      const scalar_t* w2 = W2 + n * H * R;
+      if (keep_b) {
+        std::fill(p.begin(), p.end(), scalar_t(0));
+        for (int64_t k = 0; k < H; ++k)
+          for (int64_t r = 0; r < R; ++r) p[r] += w2[k * R + r] * hb[k];
+        for (int64_t r = 0; r < R; ++r) g[r] = (z[b * (F + G) + n * R + r] + bias[n * R + r]) * p[r];
+        scalar_t peak = 0;
+        for (int64_t k = 0; k < H; ++k) {
+          scalar_t acc = 0;
+          for (int64_t r = 0; r < R; ++r) acc += w1[k * R + r] * g[r];
+          hb[k] = acc;
+          peak = std::max(peak, std::abs(acc));
+        }
+        const bool in_range = peak < scalar_t(0x1p60) && peak > scalar_t(0x1p-60);  // NaN fails both
+        if (boundary || (guard && !in_range)) {
+          scalar_t norm2 = 0;
+          for (int64_t k = 0; k < H; ++k) norm2 += hb[k] * hb[k];
+          const scalar_t scale = scalar_t(1) / std::max(std::sqrt(norm2), tiny);
+          for (int64_t k = 0; k < H; ++k) hb[k] *= scale;
+        }
+      }
+      scalar_t norm2 = 0;
+      for (int64_t k = 0; k < H; ++k) norm2 += hb[k] * hb[k];
+      const scalar_t norm = std::max(std::sqrt(norm2), tiny), root = std::sqrt(scalar_t(H));
+      for (int64_t k = 0; k < H; ++k) {
+        scalar_t v = hb[k] / norm * (root * state_w[n * H + k]);
+        if (gated) v *= silu(z[b * (F + G) + F + n * H + k]);
+        y[(b * N + n) * H + k] = v;
+      }
+    }
+  }
+  small_batch_linear_kernel(y.data(), out_w, o.data(), B, N * H, D);
+  for (int64_t i = 0; i < B * D; ++i) x[i] += o[i];
+  if (!mlp_norm_w) return;
+  std::vector<scalar_t> gu(B * 2 * I), a(B * I);
+  rms_norm_rows(x, mlp_norm_w, xn.data(), B, D, eps);
+  small_batch_linear_kernel(xn.data(), gate_up_w, gu.data(), B, D, 2 * I);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; ++i) a[b * I + i] = silu(gu[b * 2 * I + i]) * gu[b * 2 * I + I + i];
+  small_batch_linear_kernel(a.data(), down_w, o.data(), B, I, D);
+  for (int64_t i = 0; i < B * D; ++i) x[i] += o[i];
+}
+
+// Returns (x_new [B, D], h_new [B, N, H]); see decode_block_kernel.
+std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch::Tensor keep, bool boundary, bool guard,
+                                        torch::Tensor mixer_norm_w, double eps, torch::Tensor in_w, torch::Tensor bias,
+                                        torch::Tensor W1, torch::Tensor W2, torch::Tensor state_w, torch::Tensor out_w,
+                                        torch::Tensor mlp_norm_w, torch::Tensor gate_up_w, torch::Tensor down_w) {
+  auto xo = x.clone();
+  auto ho = h.clone();
+  const int64_t B = x.size(0), D = x.size(1), N = W1.size(0), H = W1.size(1), R = W1.size(2);
+  const bool gated = in_w.size(0) > N * R;
+  const bool mlp = mlp_norm_w.numel() > 0;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block", [&] {
+    decode_block_kernel<scalar_t>(
+        xo.data_ptr<scalar_t>(), ho.data_ptr<scalar_t>(), keep.numel() ? keep.data_ptr<bool>() : nullptr, boundary,
+        guard, B, D, N, H, R, gated, mixer_norm_w.data_ptr<scalar_t>(), eps, in_w.data_ptr<scalar_t>(),
+        bias.data_ptr<scalar_t>(), W1.data_ptr<scalar_t>(), W2.data_ptr<scalar_t>(), state_w.data_ptr<scalar_t>(),
+        out_w.data_ptr<scalar_t>(), mlp ? mlp_norm_w.data_ptr<scalar_t>() : nullptr,
+        mlp ? gate_up_w.data_ptr<scalar_t>() : nullptr, mlp ? down_w.data_ptr<scalar_t>() : nullptr,
+        mlp ? down_w.size(1) : 0);
+  });
+  return {xo, ho};
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def _cpu_tag() -> str:
+    """Build cache key for ``-march=native``: a kernel built on one CPU is never loaded on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((flags + CPP_SOURCE).encode()).hexdigest()[:12]
+
+
+def load_kernel():
+    """The compiled kernel module, or ``None`` if it cannot be built here (the PyTorch loop is used then)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                logger.info("building the bilinear CP scan kernel (once; cached by torch)")
+                _module = load_inline(
+                    name=f"bilinear_cp_scan_{_cpu_tag()}",
+                    cpp_sources=CPP_SOURCE,
+                    functions=["forward", "backward", "small_batch_linear", "decode_block"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=os.environ.get("BILINEAR_LM_VERBOSE_BUILD") == "1",
+                )
+            except Exception as error:  # no compiler or headers: fall back, say so once
+                _failed = True
+                logger.warning("bilinear CP scan kernel unavailable (%s); using the PyTorch loop", error)
+    return _module
+
+
+def kernel_available_for(tensor: torch.Tensor) -> bool:
+    """Whether the compiled kernel can run on this tensor (CPU, fp32/fp64) and builds on this machine."""
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and load_kernel() is not None
+
+
+SMALL_BATCH_ROWS = 4
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias) whose few-row, gradient-free CPU calls (decoding) run the compiled GEMV.
+
+    MKL's matrix-vector product reaches about a third of this kind of CPU's memory bandwidth, and a decode step
+    is a chain of matrix-vector products, so the kernel about halves the time of a step. Anything else (training,
+    prefill, autocast, other devices) is ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        rows = x.numel() // self.in_features
+        if (rows <= SMALL_BATCH_ROWS and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and kernel_available_for(x)):
+            y = load_kernel().small_batch_linear(x.reshape(rows, self.in_features).contiguous(), self.weight.contiguous())
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight)
