@@ -28,8 +28,10 @@ class BilinearConfig(PreTrainedConfig):
     normalization then changes the outputs.
 
     `recurrence_impl` picks how the CP recurrence runs: `"cpp"` (a C++ CPU kernel compiled on first use),
-    `"torch"` (a PyTorch scan, any device), `"auto"` (the kernel on CPU when it builds, else the PyTorch scan) or
-    `"reference"` (the plain loop that specifies it; every other mixer type always uses that loop).
+    `"torch"` (a PyTorch scan, any device), `"auto"` (the kernel on CPU when it builds, else the PyTorch scan; but the
+    plain loop when `rank > 2 * state_size`, since the scans work in rank space at `rank^2` per step while the loop
+    costs `2 * rank * state_size`) or `"reference"` (the plain loop that specifies it; every other mixer type always
+    uses that loop).
 
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
