@@ -177,6 +177,12 @@ def default_lr(model_name: str) -> float:
     return 3e-3 if model_name.startswith("bilinear") else 1e-3
 
 
+def cosine_factor(step: int, steps: int, seconds: float, max_seconds: float | None) -> float:
+    """Cosine decay from 1 to 0 over the run's budget: steps, or wall-clock seconds if that ends first."""
+    progress = step / steps if max_seconds is None else max(step / steps, seconds / max_seconds)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
     """Train one model on one task and evaluate length generalization -> result dict."""
     lo, hi = parse_range(args.train_lengths)
@@ -208,6 +214,9 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
             break
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.lr_schedule == "cosine":
+            for group in opt.param_groups:
+                group["lr"] = lr * cosine_factor(step, args.steps, time.time() - t0, args.max_seconds)
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
@@ -254,7 +263,7 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
         "task": task.name, "task_params": task.params, "m": task.params.get("m"), "model": model_name, "seed": seed,
         "vocab_size": task.vocab_size, "num_classes": C, "chance": chance,
         "model_config": model_cfg, "num_params": sum(p.numel() for p in model.parameters()),
-        "lr": lr, "batch_size": args.batch_size, "train_lengths": [lo, hi],
+        "lr": lr, "lr_schedule": args.lr_schedule, "batch_size": args.batch_size, "train_lengths": [lo, hi],
         "val_length": args.val_length, "val_size": args.val_size, "test_size": args.test_size,
         "steps": step, "seconds": round(train_seconds, 2), "eval_seconds": round(time.time() - t0 - train_seconds, 2),
         "stop_reason": stop_reason, "best_step": best_step, "best_val_acc": best_val_acc, "best_val_loss": best_val_loss,
@@ -401,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=None, help="Adam lr (default 3e-3 bilinear, 1e-3 baselines)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
+                   help="cosine: decay to 0 over --steps or --max-seconds, whichever ends first")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0 = off)")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--state-size", type=int, default=128, help="bilinear state size")
