@@ -4,8 +4,8 @@
 Protocol (Ebrahimi & Memisevic, NeurIPS 2025): train with a per-position cross-entropy loss on
 lengths drawn uniformly from 2..10 (batch 64, Adam), test on 1,000 fresh sequences of length 500
 and report final-position accuracy. Model selection and stopping use a held-out validation set at
-a length well beyond training (default 100: in our runs a model perfect at length 40 could still
-fail at 500), never training accuracy: the weights with the best
+a length well beyond training (default 250, half the test length: in our runs models perfect at
+length 40 or 100 could still fail at 500), never training accuracy: the weights with the best
 validation (accuracy, -loss) are kept, and training stops once validation accuracy has been
 perfect for ``--patience`` steps (or when ``--steps`` / ``--max-seconds`` run out).
 
@@ -401,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--automaton-file", default=None, help="JSON automaton for --task automaton")
     p.add_argument("--train-lengths", default="2-10")
     p.add_argument("--test-lengths", default="500", help="comma-separated, e.g. 50,100,500")
-    p.add_argument("--val-length", type=int, default=100)
-    p.add_argument("--val-size", type=int, default=250)
+    p.add_argument("--val-length", type=int, default=250)
+    p.add_argument("--val-size", type=int, default=100)
     p.add_argument("--test-size", type=int, default=1000)
     p.add_argument("--steps", type=int, default=10000, help="maximum training steps")
     p.add_argument("--max-seconds", type=float, default=None, help="optional wall-clock budget per run")

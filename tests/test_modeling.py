@@ -168,13 +168,22 @@ def test_paper_minimal_model_is_a_config():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_decode_linear_kernel_equals_matmul(dtype):
-    from bilinear_lm.modeling.cpu_kernels import Linear, load_kernel
+def test_decode_linear_kernel_equals_matmul(dtype, monkeypatch):
+    from bilinear_lm.modeling import cpu_kernels
 
-    if load_kernel() is None:
+    kernel = cpu_kernels.load_kernel()
+    if kernel is None:
         pytest.skip("no C++ compiler: Linear is plain F.linear here")
+    calls = []
+
+    class Spy:  # records which calls reach the compiled GEMV
+        def small_batch_linear(self, x, w):
+            calls.append(x.shape[0])
+            return kernel.small_batch_linear(x, w)
+
+    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: Spy())
     torch.manual_seed(0)
-    layer = Linear(37, 23).to(dtype)  # out features not a multiple of the kernel's 4-row blocks
+    layer = cpu_kernels.Linear(37, 23).to(dtype)  # out features not a multiple of the kernel's 4-row blocks
     for shape in [(1, 1, 37), (3, 37), (2, 2, 37), (5, 37)]:  # 1-4 rows take the kernel, 5 the matmul
         x = torch.randn(shape, dtype=dtype)
         with torch.no_grad():
@@ -182,34 +191,68 @@ def test_decode_linear_kernel_equals_matmul(dtype):
         expected = (x.double() @ layer.weight.double().t()).to(dtype)
         assert y.shape == (*shape[:-1], 23)
         torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6)
+    assert calls == [1, 3, 4]
     x = torch.randn(1, 37, dtype=dtype, requires_grad=True)
     layer(x).sum().backward()  # with gradients enabled the layer is F.linear, so autograd works
     torch.testing.assert_close(x.grad, layer.weight.sum(0, keepdim=True))
+    assert calls == [1, 3, 4]
 
 
-@pytest.mark.parametrize("use_gate,use_mlp", [(True, True), (False, False)])
-@pytest.mark.parametrize("offset", [5, 6])  # position 7 is a normalization boundary with norm_chunk_size 7
-def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, use_mlp, offset):
+def _decode_block(config, dtype=torch.float64):
     from bilinear_lm.modeling.cpu_kernels import load_kernel
     from bilinear_lm.modeling.modeling_bilinear import BilinearBlock
 
     if load_kernel() is None:
         pytest.skip("no C++ compiler: decoding runs the modules")
-    config = with_changes(tiny_bilinear_config, use_gate=use_gate, use_mlp=use_mlp, norm_chunk_size=7)
     torch.manual_seed(0)
-    block = BilinearBlock(config, 0).double()
+    block = BilinearBlock(config, 0).to(dtype)
     block.mixer.reset_parameters()
-    B, N, H = 3, config.num_heads, config.state_size
+    return block
+
+
+def _fused_and_modules(block, *args):
+    expected = block(*args)  # gradients enabled: the modules
+    with torch.no_grad():
+        assert block._takes_fused_decode_step(args[0])
+        fused = block(*args)
+    return fused, [t.detach() for t in expected]
+
+
+@pytest.mark.parametrize("use_gate,use_mlp", [(True, True), (False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("offset", [5, 6])  # position 7 is a normalization boundary with norm_chunk_size 7
+def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, use_mlp, offset):
+    config = with_changes(tiny_bilinear_config, use_gate=use_gate, use_mlp=use_mlp, norm_chunk_size=7)
+    block = _decode_block(config)
+    B, N, H = 4, config.num_heads, config.state_size
     x = torch.randn(B, 1, config.hidden_size, dtype=torch.float64)
     state = torch.randn(B, N, H, dtype=torch.float64)
     state[1, 0] *= 1e30  # leaves the safe range after the step: the overflow guard renormalizes this head
-    mask = torch.tensor([[1], [1], [0]])  # the last row is padding: its state must stay unchanged
-    assert block._takes_fused_decode_step(x) is False  # gradients enabled: the modules
-    expected = block(x, state, mask, offset)
-    with torch.no_grad():
-        assert block._takes_fused_decode_step(x)
-        fused = block(x, state, mask, offset)
+    mask = torch.tensor([[1], [1], [0], [1]])  # row 2 is padding: its state must stay unchanged
+    fused, expected = _fused_and_modules(block, x, state, mask, offset)
     for got, want in zip(fused, expected):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fused[1][2], state[2], rtol=0, atol=0)
     assert fused[1][1, 0].abs().max() < 2.0  # renormalized by the guard
+
+
+def test_fused_decode_step_from_initial_state_in_fp32(tiny_bilinear_config):
+    block = _decode_block(tiny_bilinear_config, torch.float32)
+    x = torch.randn(2, 1, tiny_bilinear_config.hidden_size)
+    fused, expected = _fused_and_modules(block, x, None, None, 0)  # state None: the learned h0
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_decode_step_is_not_taken_outside_its_cover(tiny_bilinear_config):
+    block = _decode_block(tiny_bilinear_config, torch.float32)
+    D = tiny_bilinear_config.hidden_size
+    with torch.no_grad():
+        assert block._takes_fused_decode_step(torch.randn(4, 1, D))
+        assert not block._takes_fused_decode_step(torch.randn(5, 1, D))  # too many rows
+        assert not block._takes_fused_decode_step(torch.randn(1, 2, D))  # two positions
+        assert not block.to(torch.bfloat16)._takes_fused_decode_step(torch.randn(1, 1, D, dtype=torch.bfloat16))
+        block.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not block._takes_fused_decode_step(torch.randn(1, 1, D))
+        block.mixer.in_proj = torch.nn.Linear(D, block.mixer.in_proj.out_features, bias=False)  # e.g. an adapter
+        assert not block._takes_fused_decode_step(torch.randn(1, 1, D))

@@ -1,9 +1,13 @@
-"""C++ CPU kernels, compiled on first use and cached by torch: the CP rank-space scan and a small-batch GEMV.
+"""C++ CPU kernels, compiled on first use and cached by torch.
 
-Every (head, batch row) evolves independently, so each is one thread's sequential loop over time with no
-per-step synchronization or dispatch. It computes exactly what the PyTorch loop in ``recurrence._CPScan``
-computes (tested against it and against the reference loop). :func:`load_kernel` returns ``None`` when the kernel
-cannot be built (no compiler), and the PyTorch loop is used instead.
+* ``forward`` / ``backward``: the CP rank-space scan. Every (head, batch row) evolves independently, so each is
+  one thread's sequential loop over time with no per-step synchronization or dispatch. It computes exactly what
+  the PyTorch loop in ``recurrence._CPScan`` computes (tested against it and against the reference loop).
+* ``small_batch_linear``: a GEMV for a few rows (decoding), used by :class:`Linear`.
+* ``decode_block``: one decoding step of a whole ``BilinearBlock`` in one call (tested against the modules).
+
+:func:`load_kernel` returns ``None`` when the kernels cannot be built (no compiler); the PyTorch paths (scan loop,
+``F.linear``, the modules) are used instead.
 """
 
 import hashlib
@@ -27,7 +31,7 @@ CPP_SOURCE = r"""
 
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
 // keep: [T, B] bool or empty (no padding). Each (head, row) runs its whole sequence in one thread, chunk by
-// chunk; a chunk whose peak |g| leaves [2^-60, 2^60] is recomputed for that (head, row) normalizing every step.
+// chunk; a chunk whose peak |g| leaves [2^-40, 2^40] is recomputed for that (head, row) normalizing every step.
 template <typename scalar_t>
 struct RowScan {
   const scalar_t* u; const scalar_t* M; const scalar_t* W; const bool* keep;
@@ -60,8 +64,9 @@ struct RowScan {
       }
       S[row] = s;
       scalar_t peak = 0;
-      for (int64_t r = 0; r < R; ++r) peak = std::max(peak, std::abs(g[r]));
-      in_range = in_range && peak < scalar_t(0x1p60) && peak > scalar_t(0x1p-60);  // NaN fails both
+      for (int64_t r = 0; r < R; ++r)
+        if (!(std::abs(g[r]) <= peak)) peak = std::abs(g[r]);  // a NaN becomes the peak
+      in_range = in_range && peak < scalar_t(0x1p40) && peak > scalar_t(0x1p-40);  // NaN fails both
       if (keep_t) {
         for (int64_t c = 0; c < R; ++c) pn[c] = 0;
         for (int64_t r = 0; r < R; ++r) {
@@ -188,6 +193,9 @@ void small_batch_linear_kernel(const scalar_t* xp, const scalar_t* wp, scalar_t*
 }
 
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor W) {
+  TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(1) && x.is_contiguous() && W.is_contiguous() &&
+              x.device().is_cpu() && W.device().is_cpu() && x.scalar_type() == W.scalar_type(),
+              "small_batch_linear: x [M, K] and W [N, K] must be contiguous CPU tensors of one dtype");
   auto y = torch::empty({x.size(0), W.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "small_batch_linear", [&] {
     small_batch_linear_kernel<scalar_t>(x.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
@@ -241,9 +249,9 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
           scalar_t acc = 0;
           for (int64_t r = 0; r < R; ++r) acc += w1[k * R + r] * g[r];
           hb[k] = acc;
-          peak = std::max(peak, std::abs(acc));
+          if (!(std::abs(acc) <= peak)) peak = std::abs(acc);  // a NaN becomes the peak
         }
-        const bool in_range = peak < scalar_t(0x1p60) && peak > scalar_t(0x1p-60);  // NaN fails both
+        const bool in_range = peak < scalar_t(0x1p40) && peak > scalar_t(0x1p-40);  // NaN fails both
         if (boundary || (guard && !in_range)) {
           scalar_t norm2 = 0;
           for (int64_t k = 0; k < H; ++k) norm2 += hb[k] * hb[k];
@@ -278,11 +286,24 @@ std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch:
                                         torch::Tensor mixer_norm_w, double eps, torch::Tensor in_w, torch::Tensor bias,
                                         torch::Tensor W1, torch::Tensor W2, torch::Tensor state_w, torch::Tensor out_w,
                                         torch::Tensor mlp_norm_w, torch::Tensor gate_up_w, torch::Tensor down_w) {
-  auto xo = x.clone();
-  auto ho = h.clone();
   const int64_t B = x.size(0), D = x.size(1), N = W1.size(0), H = W1.size(1), R = W1.size(2);
   const bool gated = in_w.size(0) > N * R;
   const bool mlp = mlp_norm_w.numel() > 0;
+  for (const auto& t : {x, h, mixer_norm_w, in_w, bias, W1, W2, state_w, out_w, mlp_norm_w, gate_up_w, down_w}) {
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == x.scalar_type(),
+                "decode_block: every tensor must be contiguous, on the CPU, and of x's dtype");
+  }
+  TORCH_CHECK(keep.numel() == 0 || (keep.numel() == B && keep.scalar_type() == torch::kBool && keep.is_contiguous()),
+              "decode_block: keep must be empty or B contiguous bools");
+  TORCH_CHECK(h.numel() == B * N * H && mixer_norm_w.numel() == D && W2.sizes() == W1.sizes() &&
+              bias.numel() == N * R && state_w.numel() == N * H && in_w.size(1) == D &&
+              (in_w.size(0) == N * R || in_w.size(0) == N * R + N * H) && out_w.size(0) == D &&
+              out_w.size(1) == N * H, "decode_block: mixer weight shapes do not match x [B, D] and W1 [N, H, R]");
+  TORCH_CHECK(!mlp || (mlp_norm_w.numel() == D && gate_up_w.size(1) == D && down_w.size(0) == D &&
+                       gate_up_w.size(0) == 2 * down_w.size(1)),
+              "decode_block: MLP weight shapes do not match x [B, D]");
+  auto xo = x.clone();
+  auto ho = h.clone();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block", [&] {
     decode_block_kernel<scalar_t>(
         xo.data_ptr<scalar_t>(), ho.data_ptr<scalar_t>(), keep.numel() ? keep.data_ptr<bool>() : nullptr, boundary,
@@ -312,7 +333,7 @@ def _cpu_tag() -> str:
 
 
 def load_kernel():
-    """The compiled kernel module, or ``None`` if it cannot be built here (the PyTorch loop is used then)."""
+    """The compiled kernels module, or ``None`` if it cannot be built here (the PyTorch paths are used then)."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -321,7 +342,7 @@ def load_kernel():
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                logger.info("building the bilinear CP scan kernel (once; cached by torch)")
+                logger.info("building the bilinear CPU kernels (once; cached by torch)")
                 _module = load_inline(
                     name=f"bilinear_cp_scan_{_cpu_tag()}",
                     cpp_sources=CPP_SOURCE,
@@ -332,7 +353,7 @@ def load_kernel():
                 )
             except Exception as error:  # no compiler or headers: fall back, say so once
                 _failed = True
-                logger.warning("bilinear CP scan kernel unavailable (%s); using the PyTorch loop", error)
+                logger.warning("bilinear CPU kernels unavailable (%s); using the PyTorch paths", error)
     return _module
 
 

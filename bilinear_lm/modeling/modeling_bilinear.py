@@ -224,25 +224,35 @@ class BilinearBlock(GradientCheckpointingLayer):
         return hidden_states, final_state
 
     def _takes_fused_decode_step(self, x) -> bool:
-        """Whether this call is a decoding step the compiled one-call block step covers (CPU, fp32/fp64, no
-        gradients, one position, a few rows, CP mixer, SwiGLU); anything else runs the modules above."""
-        cfg = self.mixer.config
+        """Whether this call is a decoding step the compiled one-call block step covers, else the modules run.
+
+        Covered: one position, at most ``SMALL_BATCH_ROWS`` rows, no gradients, no autocast, CPU fp32/fp64 with
+        every weight in ``x``'s dtype, the CP mixer without additive input, silu MLP or none, recurrence ``auto``
+        or ``cpp``, and the projections still this package's ``Linear`` (so adapters such as LoRA that replace
+        them take the modules; forward hooks on the submodules are not run by the fused step).
+        """
+        cfg, mixer = self.mixer.config, self.mixer
+        projections = [mixer.in_proj, mixer.out_proj] + ([self.mlp.gate_up_proj, self.mlp.down_proj] if self.mlp else [])
         return (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
                 and cfg.mixer_type == "cp" and not cfg.additive_input and cfg.hidden_act == "silu"
-                and cfg.recurrence_impl in ("auto", "cpp") and x.dtype == self.mixer.W1.dtype
-                and not torch.is_autocast_enabled(x.device.type) and kernel_available_for(x))
+                and cfg.recurrence_impl in ("auto", "cpp") and not torch.is_autocast_enabled(x.device.type)
+                and all(type(m) is Linear and m.weight.dtype == x.dtype for m in projections)
+                and mixer.W1.dtype == x.dtype and kernel_available_for(x))
 
     def _fused_decode_step(self, x, state, mask, offset):
         B, _, D = x.shape
         mixer, chunk = self.mixer, self.mixer.config.norm_chunk_size
         h = (mixer.h0 if state is None else state).to(x.dtype).expand(B, *mixer.h0.shape).contiguous()
-        keep = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().contiguous()
+        keep = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().expand(B).contiguous()
         mlp = [self.mlp_norm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight] if self.mlp else \
             [torch.empty(0, dtype=x.dtype)] * 3
+        weights = [self.mixer_norm.weight, mixer.in_proj.weight, mixer.factor_bias, mixer.W1, mixer.W2,
+                   mixer.state_norm.weight, mixer.out_proj.weight, *mlp]
+        norm_w, in_w, *rest = [w.detach().to(x.dtype).contiguous() for w in weights]
+        # Both RMSNorms take config.rms_norm_eps (mixer_norm.eps == mlp_norm.eps).
         x_new, h_new = load_kernel().decode_block(
             x.reshape(B, D).contiguous(), h, keep, chunk > 0 and (offset + 1) % chunk == 0, chunk > 0,
-            self.mixer_norm.weight, self.mixer_norm.eps, mixer.in_proj.weight, mixer.factor_bias, mixer.W1, mixer.W2,
-            mixer.state_norm.weight, mixer.out_proj.weight, *mlp)
+            norm_w, self.mixer_norm.eps, in_w, *rest)
         return x_new.view(B, 1, D), h_new
 
 

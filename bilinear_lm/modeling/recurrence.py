@@ -7,7 +7,7 @@ Every mixer runs, per head, ``h_t = A(x_t) h_{t-1}`` (plus ``b_t`` only in the a
   positions since the start of the stream), each head's state is divided by its detached norm, except at
   padded positions. Since outputs normalize each head's state, this never changes an output.
 * overflow guard: the positions are processed in those chunks; where a (row, head) state leaves
-  ``[2**-60, 2**60]`` (or turns non-finite) within a chunk, that row and head recompute the chunk normalizing
+  ``[2**-40, 2**40]`` (or turns non-finite) within a chunk, that row and head recompute the chunk normalizing
   at every position. A fast-growing transition (or a decaying one) thus stays finite over any length, in fp32
   as in bf16 autocast. The state is only defined up to a positive per-head factor, so this changes no output.
   (The reference checks the state ``h``, the fast paths their rank-space ``g``: in guard cases their states may
@@ -91,7 +91,7 @@ def _segments(T: int, chunk: int, offset: int):
         t0 = t1
 
 
-_SAFE_MIN, _SAFE_MAX = 2.0 ** -60, 2.0 ** 60
+_SAFE_MIN, _SAFE_MAX = 2.0 ** -40, 2.0 ** 40  # squares of in-range states stay normal fp32 numbers
 
 
 def _rows_in_safe_range(x):
@@ -241,11 +241,6 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
         ``(states [B, T, N, H], final [B, N, H])``.
     """
     B, T, N, R = u.shape
-    if T == 1:  # one step (decoding): the scan's setup (M, layout changes) would cost more than the step itself
-        return reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, chunk, offset)
-    h0 = h0.expand(B, N, W1.shape[1])
-    p0 = torch.einsum("nhr,bnh->nbr", W2, h0)
-    Mt = torch.einsum("nhr,nhs->nrs", W1, W2)  # M^T with M = W2^T W1
     kernel = None
     if impl in ("auto", "cpp") and kernel_available_for(u):
         kernel = load_kernel()
@@ -254,6 +249,11 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
             "recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel build; "
             "use recurrence_impl='auto' or 'torch'"
         )
+    if T == 1:  # one step (decoding): the scan's setup (M, layout changes) would cost more than the step itself
+        return reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, chunk, offset)
+    h0 = h0.expand(B, N, W1.shape[1])
+    p0 = torch.einsum("nhr,bnh->nbr", W2, h0)
+    Mt = torch.einsum("nhr,nhs->nrs", W1, W2)  # M^T with M = W2^T W1
     keep = torch.empty(0, dtype=torch.bool, device=u.device) if mask is None else mask.bool().t().contiguous()
     G = _CPScan.apply(u.permute(1, 2, 0, 3).contiguous(), Mt.contiguous(), p0, keep, W1.detach().contiguous(),
                       chunk, offset, kernel)
