@@ -213,7 +213,7 @@ def _decode_block(config, dtype=torch.float64):
 def _fused_and_modules(block, *args):
     expected = block(*args)  # gradients enabled: the modules
     with torch.no_grad():
-        assert block._takes_fused_decode_step(args[0])
+        assert block._fused_decode_weights(args[0]) is not None
         fused = block(*args)
     return fused, [t.detach() for t in expected]
 
@@ -247,12 +247,16 @@ def test_fused_decode_step_is_not_taken_outside_its_cover(tiny_bilinear_config):
     block = _decode_block(tiny_bilinear_config, torch.float32)
     D = tiny_bilinear_config.hidden_size
     with torch.no_grad():
-        assert block._takes_fused_decode_step(torch.randn(4, 1, D))
-        assert not block._takes_fused_decode_step(torch.randn(5, 1, D))  # too many rows
-        assert not block._takes_fused_decode_step(torch.randn(1, 2, D))  # two positions
-        assert not block.to(torch.bfloat16)._takes_fused_decode_step(torch.randn(1, 1, D, dtype=torch.bfloat16))
+        assert block._fused_decode_weights(torch.randn(4, 1, D)) is not None
+        assert block._fused_decode_weights(torch.randn(5, 1, D)) is None  # too many rows
+        assert block._fused_decode_weights(torch.randn(1, 2, D)) is None  # two positions
+        assert block.to(torch.bfloat16)._fused_decode_weights(torch.randn(1, 1, D, dtype=torch.bfloat16)) is None
         block.float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not block._takes_fused_decode_step(torch.randn(1, 1, D))
+            assert block._fused_decode_weights(torch.randn(1, 1, D)) is None
+        block.mixer.state_norm.double()
+        assert block._fused_decode_weights(torch.randn(1, 1, D)) is None  # a weight in another dtype
+        block.mixer.state_norm.float()
+        assert block._fused_decode_weights(torch.randn(1, 1, D)) is not None
         block.mixer.in_proj = torch.nn.Linear(D, block.mixer.in_proj.out_features, bias=False)  # e.g. an adapter
-        assert not block._takes_fused_decode_step(torch.randn(1, 1, D))
+        assert block._fused_decode_weights(torch.randn(1, 1, D)) is None

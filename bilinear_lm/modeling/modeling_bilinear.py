@@ -215,44 +215,46 @@ class BilinearBlock(GradientCheckpointingLayer):
             self.mlp = None
 
     def forward(self, hidden_states, state=None, mask=None, offset: int = 0):
-        if self._takes_fused_decode_step(hidden_states):
-            return self._fused_decode_step(hidden_states, state, mask, offset)
+        weights = self._fused_decode_weights(hidden_states)
+        if weights is not None:
+            return self._fused_decode_step(hidden_states, weights, state, mask, offset)
         mixed, final_state = self.mixer(self.mixer_norm(hidden_states), state, mask, offset)
         hidden_states = hidden_states + mixed
         if self.mlp is not None:
             hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
         return hidden_states, final_state
 
-    def _takes_fused_decode_step(self, x) -> bool:
-        """Whether this call is a decoding step the compiled one-call block step covers, else the modules run.
+    def _fused_decode_weights(self, x) -> list | None:
+        """The weights for the compiled one-call decoding step if it covers this call, else None (the modules run).
 
         Covered: one position, at most ``SMALL_BATCH_ROWS`` rows, no gradients, no autocast, CPU fp32/fp64 with
-        every weight in ``x``'s dtype, the CP mixer without additive input, silu MLP or none, recurrence ``auto``
-        or ``cpp``, and the projections still this package's ``Linear`` (so adapters such as LoRA that replace
-        them take the modules; forward hooks on the submodules are not run by the fused step).
+        every weight contiguous and in ``x``'s dtype, the CP mixer without additive input, silu MLP or none,
+        recurrence ``auto`` or ``cpp``, and the projections still this package's ``Linear`` (adapters such as LoRA
+        that replace them take the modules; forward hooks on the submodules are not run by the fused step).
         """
-        cfg, mixer = self.mixer.config, self.mixer
-        projections = [mixer.in_proj, mixer.out_proj] + ([self.mlp.gate_up_proj, self.mlp.down_proj] if self.mlp else [])
-        return (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
+        cfg, mixer, mlp = self.mixer.config, self.mixer, self.mlp
+        if not (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
                 and cfg.mixer_type == "cp" and not cfg.additive_input and cfg.hidden_act == "silu"
                 and cfg.recurrence_impl in ("auto", "cpp") and not torch.is_autocast_enabled(x.device.type)
-                and all(type(m) is Linear and m.weight.dtype == x.dtype for m in projections)
-                and mixer.W1.dtype == x.dtype and kernel_available_for(x))
-
-    def _fused_decode_step(self, x, state, mask, offset):
-        B, _, D = x.shape
-        mixer, chunk = self.mixer, self.mixer.config.norm_chunk_size
-        h = (mixer.h0 if state is None else state).to(x.dtype).expand(B, *mixer.h0.shape).contiguous()
-        keep = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().expand(B).contiguous()
-        mlp = [self.mlp_norm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight] if self.mlp else \
-            [torch.empty(0, dtype=x.dtype)] * 3
+                and type(mixer.in_proj) is Linear and type(mixer.out_proj) is Linear
+                and (mlp is None or type(mlp.gate_up_proj) is Linear and type(mlp.down_proj) is Linear)
+                and kernel_available_for(x)):
+            return None
+        empty = torch.empty(0, dtype=x.dtype)
         weights = [self.mixer_norm.weight, mixer.in_proj.weight, mixer.factor_bias, mixer.W1, mixer.W2,
-                   mixer.state_norm.weight, mixer.out_proj.weight, *mlp]
-        norm_w, in_w, *rest = [w.detach().to(x.dtype).contiguous() for w in weights]
-        # Both RMSNorms take config.rms_norm_eps (mixer_norm.eps == mlp_norm.eps).
+                   mixer.state_norm.weight, mixer.out_proj.weight,
+                   *([self.mlp_norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight] if mlp else [empty] * 3)]
+        return weights if all(w.dtype == x.dtype and w.is_contiguous() for w in weights) else None
+
+    def _fused_decode_step(self, x, weights, state, mask, offset):
+        B, _, D = x.shape
+        chunk = self.mixer.config.norm_chunk_size
+        h = (self.mixer.h0 if state is None else state).to(x.dtype).expand(B, *self.mixer.h0.shape).contiguous()
+        keep = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().expand(B).contiguous()
+        norm_w, *rest = weights  # both RMSNorms take config.rms_norm_eps
         x_new, h_new = load_kernel().decode_block(
             x.reshape(B, D).contiguous(), h, keep, chunk > 0 and (offset + 1) % chunk == 0, chunk > 0,
-            norm_w, self.mixer_norm.eps, in_w, *rest)
+            norm_w, self.mixer_norm.eps, *rest)
         return x_new.view(B, 1, D), h_new
 
 
