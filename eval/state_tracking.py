@@ -14,7 +14,7 @@ perfect for ``--patience`` steps (or when ``--steps`` / ``--max-seconds`` run ou
     python eval/state_tracking.py --task automaton --automaton-file my_fsm.json --model bilinear-cp
     python eval/state_tracking.py --sweep --tasks parity,modular_addition --ms 5,10 \
         --models bilinear-full,bilinear-diagonal,lstm --seeds 0,1 --output-dir runs/probes
-    python eval/state_tracking.py --report runs/probes/results.json --output-dir runs/probes
+    python eval/state_tracking.py --report runs/a/results.json,runs/b/results.json --output-dir runs/probes
 
 Models (one code path: every model maps token ids to logits; the first ``num_classes`` logits are
 the class scores, so the vocabulary is sized max(num_symbols, num_classes) and untied):
@@ -431,7 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", default="0")
     g.add_argument("--output-dir", default="state_tracking_runs",
                    help="sweep output: results.json, table.md, accuracy_vs_length.png")
-    g.add_argument("--report", default=None, help="only rebuild table.md + PNG from this results JSON")
+    g.add_argument("--report", default=None,
+                   help="only build table.md + PNG (and a merged results.json) from these comma-separated results "
+                        "JSONs, e.g. of sweeps run in parallel")
     return p
 
 
@@ -456,9 +458,15 @@ def main(argv=None) -> int:
 
 def _main(args) -> int:
     if args.report:
-        runs = json.loads(Path(args.report).read_text())["runs"]
-        write_report(runs, Path(args.output_dir))
-        print(f"wrote {args.output_dir}/table.md and accuracy_vs_length.png from {len(runs)} runs")
+        runs = []
+        for path in parse_list(args.report, str, "--report"):
+            if not Path(path).is_file():
+                raise SystemExit(f"--report: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
+            runs += json.loads(Path(path).read_text())["runs"]
+        out_dir = Path(args.output_dir)
+        write_report(runs, out_dir)
+        (out_dir / "results.json").write_text(json.dumps({"runs": runs}, indent=1))
+        print(f"wrote {out_dir}/results.json, table.md and accuracy_vs_length.png from {len(runs)} runs")
         return 0
     if args.sweep:
         tasks = parse_list(args.tasks, str, "--tasks")

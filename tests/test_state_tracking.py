@@ -102,6 +102,16 @@ def test_sweep_writes_table_plot_and_resumes(tmp_path, capsys):
     (tmp_path / "table.md").unlink()
     st.main(["--report", str(tmp_path / "results.json"), "--output-dir", str(tmp_path)])
     assert (tmp_path / "table.md").read_text() == table
+    # sweeps run in parallel (one per core) are merged into one report
+    parity, rest = tmp_path / "parity.json", tmp_path / "rest.json"
+    parity.write_text(json.dumps({"runs": [r for r in runs if r["task"] == "parity"]}))
+    rest.write_text(json.dumps({"runs": [r for r in runs if r["task"] != "parity"]}))
+    merged = tmp_path / "merged"
+    st.main(["--report", f"{parity},{rest}", "--output-dir", str(merged)])
+    assert (merged / "table.md").read_text() == table
+    assert len(json.loads((merged / "results.json").read_text())["runs"]) == 8
+    with pytest.raises(SystemExit, match="no results file at"):
+        st.main(["--report", str(tmp_path / "missing.json"), "--output-dir", str(merged)])
 
 
 @pytest.mark.parametrize("argv,match", [
