@@ -19,8 +19,9 @@ perfect for ``--patience`` steps (or when ``--steps`` / ``--max-seconds`` run ou
 Models (one code path: every model maps token ids to logits; the first ``num_classes`` logits are
 the class scores, so the vocabulary is sized max(num_symbols, num_classes) and untied):
 - ``bilinear-<mixer>`` for mixer in cp, full, block_diagonal, rotation, diagonal, positive_diagonal:
-  BilinearForCausalLM(num_hidden_layers=1, use_mlp=False, num_heads=1) = the paper's minimal
-  model (embedding -> one bilinear recurrence -> linear readout).
+  BilinearForCausalLM(num_hidden_layers=1, use_mlp=False, num_heads=1, use_gate=False) = the paper's
+  minimal model (embedding -> one bilinear recurrence -> linear readout of the normalized state);
+  ``--gate`` adds the LM's output gate.
 - ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
 - ``transformer-{1,2,4}``: LlamaForCausalLM with 1/2/4 layers (RoPE, 4 heads).
 - ``mamba-{1,2,4}``: MambaForCausalLM with 1/2/4 layers.
@@ -96,7 +97,7 @@ def model_spec(name: str, args, num_symbols: int = 2) -> tuple[str, dict]:
             raise ValueError(f"unknown bilinear mixer {mixer!r}; choose one of {list(BILINEAR_MIXERS)}")
         cfg = dict(hidden_size=H, num_hidden_layers=1, num_heads=1, state_size=args.state_size,
                    rank=default_rank(mixer, args, num_symbols), mixer_type=mixer, use_mlp=False,
-                   use_gate=not args.no_gate, tie_word_embeddings=False)
+                   use_gate=args.gate, tie_word_embeddings=False)
         if mixer == "block_diagonal":
             cfg["block_size"] = args.block_size
         return "bilinear", cfg
@@ -417,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-size", type=int, default=128, help="bilinear state size")
     p.add_argument("--rank", type=int, default=None, help="bilinear rank (default: state size; number of task symbols for full)")
     p.add_argument("--block-size", type=int, default=2, help="bilinear block_diagonal block size")
-    p.add_argument("--no-gate", action="store_true", help="bilinear: drop the output gate silu(W_g x) (pure linear readout)")
+    p.add_argument("--gate", action="store_true",
+                   help="bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the paper's linear "
+                        "readout of the normalized state)")
     p.add_argument("--num-heads", type=int, default=4, help="transformer attention heads")
     p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluation chunk (memory bound)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (machine is shared)")

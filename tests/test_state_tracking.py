@@ -61,8 +61,8 @@ def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
         assert model.config.rank == task.vocab_size
     x, _ = task.sample(2, 7)
     assert st.class_logits(model, x, task.num_classes).shape == (2, 7, task.num_classes)
-    assert model.config.use_gate is True
-    assert st.build_model(f"bilinear-{mixer}", task, args_for(*TINY, "--no-gate"))[0].config.use_gate is False
+    assert model.config.use_gate is False  # the paper's linear readout
+    assert st.build_model(f"bilinear-{mixer}", task, args_for(*TINY, "--gate"))[0].config.use_gate is True
 
 
 def test_cli_single_run_writes_results_json(tmp_path):
