@@ -29,6 +29,23 @@ CPP_SOURCE = r"""
 #include <limits>
 #include <vector>
 
+// The overflow guard's test (recurrence._rows_in_safe_range): the peak |v_i| lies in [2^-40, 2^40]; a NaN fails.
+template <typename scalar_t>
+bool in_safe_range(const scalar_t* v, int64_t n) {
+  scalar_t peak = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (!(std::abs(v[i]) <= peak)) peak = std::abs(v[i]);  // a NaN becomes the peak
+  return peak < scalar_t(0x1p40) && peak > scalar_t(0x1p-40);  // NaN fails both
+}
+
+// ||v|| clamped to the smallest normal number, as in recurrence._scale_at_boundary and BilinearStateNorm.
+template <typename scalar_t>
+scalar_t clamped_norm(const scalar_t* v, int64_t n) {
+  scalar_t norm2 = 0;
+  for (int64_t i = 0; i < n; ++i) norm2 += v[i] * v[i];
+  return std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
+}
+
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
 // keep: [T, B] bool or empty (no padding). Each (head, row) runs its whole sequence in one thread, chunk by
 // chunk; a chunk whose peak |g| leaves [2^-40, 2^40] is recomputed for that (head, row) normalizing every step.
@@ -40,8 +57,8 @@ struct RowScan {
 
   // Steps [t0, t1); returns whether every step's peak |g| stayed in the safe range.
   bool run(int64_t t0, int64_t t1, bool every_step) {
-    const scalar_t tiny = std::numeric_limits<scalar_t>::min();
     bool in_range = true;
+    std::vector<scalar_t> hv(H);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t row = (t * N + n) * B + b;
       const scalar_t* __restrict__ ut = u + row * R;
@@ -53,20 +70,16 @@ struct RowScan {
       scalar_t s = 1;
       const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
       if ((every_step || boundary) && keep_t) {
-        scalar_t norm2 = 0;
-        for (int64_t h = 0; h < H; ++h) {
+        for (int64_t h = 0; h < H; ++h) {  // h = W1 g, the state whose norm is divided out
           scalar_t acc = 0;
           for (int64_t r = 0; r < R; ++r) acc += W[h * R + r] * g[r];
-          norm2 += acc * acc;
+          hv[h] = acc;
         }
-        s = scalar_t(1) / std::max(std::sqrt(norm2), tiny);
+        s = scalar_t(1) / clamped_norm(hv.data(), H);
         for (int64_t r = 0; r < R; ++r) g[r] *= s;
       }
       S[row] = s;
-      scalar_t peak = 0;
-      for (int64_t r = 0; r < R; ++r)
-        if (!(std::abs(g[r]) <= peak)) peak = std::abs(g[r]);  // a NaN becomes the peak
-      in_range = in_range && peak < scalar_t(0x1p40) && peak > scalar_t(0x1p-40);  // NaN fails both
+      in_range = in_safe_range(g, R) && in_range;
       if (keep_t) {
         for (int64_t c = 0; c < R; ++c) pn[c] = 0;
         for (int64_t r = 0; r < R; ++r) {
@@ -232,7 +245,6 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
   std::vector<scalar_t> xn(B * D), z(B * (F + G)), y(B * N * H), o(B * D), p(R), g(R);
   rms_norm_rows(x, mixer_norm_w, xn.data(), B, D, eps);
   small_batch_linear_kernel(xn.data(), in_w, z.data(), B, D, F + G);
-  const scalar_t tiny = std::numeric_limits<scalar_t>::min();
   for (int64_t b = 0; b < B; ++b) {
     const bool keep_b = keep ? keep[b] : true;
     for (int64_t n = 0; n < N; ++n) {
@@ -244,24 +256,17 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
         for (int64_t k = 0; k < H; ++k)
           for (int64_t r = 0; r < R; ++r) p[r] += w2[k * R + r] * hb[k];
         for (int64_t r = 0; r < R; ++r) g[r] = (z[b * (F + G) + n * R + r] + bias[n * R + r]) * p[r];
-        scalar_t peak = 0;
         for (int64_t k = 0; k < H; ++k) {
           scalar_t acc = 0;
           for (int64_t r = 0; r < R; ++r) acc += w1[k * R + r] * g[r];
           hb[k] = acc;
-          if (!(std::abs(acc) <= peak)) peak = std::abs(acc);  // a NaN becomes the peak
         }
-        const bool in_range = peak < scalar_t(0x1p40) && peak > scalar_t(0x1p-40);  // NaN fails both
-        if (boundary || (guard && !in_range)) {
-          scalar_t norm2 = 0;
-          for (int64_t k = 0; k < H; ++k) norm2 += hb[k] * hb[k];
-          const scalar_t scale = scalar_t(1) / std::max(std::sqrt(norm2), tiny);
+        if (boundary || (guard && !in_safe_range(hb, H))) {
+          const scalar_t scale = scalar_t(1) / clamped_norm(hb, H);
           for (int64_t k = 0; k < H; ++k) hb[k] *= scale;
         }
       }
-      scalar_t norm2 = 0;
-      for (int64_t k = 0; k < H; ++k) norm2 += hb[k] * hb[k];
-      const scalar_t norm = std::max(std::sqrt(norm2), tiny), root = std::sqrt(scalar_t(H));
+      const scalar_t norm = clamped_norm(hb, H), root = std::sqrt(scalar_t(H));
       for (int64_t k = 0; k < H; ++k) {
         scalar_t v = hb[k] / norm * (root * state_w[n * H + k]);
         if (gated) v *= silu(z[b * (F + G) + F + n * H + k]);
