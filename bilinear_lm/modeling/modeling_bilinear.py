@@ -172,9 +172,7 @@ class BilinearMixer(nn.Module):
             h0 = (self.h0 if state is None else state).to(dtype)
             chunk = self.config.norm_chunk_size
             impl = self.config.recurrence_impl
-            rank_space_cheaper = self.config.rank <= 2 * H  # the scans cost rank^2 per step, the loop 2*rank*H
-            if self.mixer_type == "cp" and not self.config.additive_input and impl != "reference" and (
-                    impl != "auto" or rank_space_cheaper):
+            if self.mixer_type == "cp" and not self.config.additive_input and impl != "reference":
                 states, final = cp_recurrence(
                     factors, self.W1.to(dtype), self.W2.to(dtype), h0, mask, chunk, offset, impl)
             else:

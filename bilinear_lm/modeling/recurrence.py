@@ -235,8 +235,8 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
         u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
         mask, chunk, offset: as in :func:`reference_recurrence`.
         impl: ``"cpp"`` (compiled CPU kernel), ``"torch"`` (PyTorch loop, any device) or ``"auto"`` (the kernel
-            when the tensors are on the CPU and it builds here, else the PyTorch loop). A single step (``T == 1``,
-            decoding) always applies the transition directly.
+            when the tensors are on the CPU and it builds here, else the PyTorch loop; the state-space loop when
+            ``rank > 2 * state``). A single step (``T == 1``, decoding) always applies the transition directly.
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
     """
@@ -249,7 +249,9 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
             "recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel build; "
             "use recurrence_impl='auto' or 'torch'"
         )
-    if T == 1:  # one step (decoding): the scan's setup (M, layout changes) would cost more than the step itself
+    # One step (decoding): the scan's setup (M, layout changes) would cost more than the step itself. And with
+    # rank > 2 * state the rank-space scans (rank^2 per step) cost more than the state-space loop (2 * rank * state).
+    if T == 1 or (impl == "auto" and R > 2 * W1.shape[1]):
         return reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, chunk, offset)
     h0 = h0.expand(B, N, W1.shape[1])
     p0 = torch.einsum("nhr,bnh->nbr", W2, h0)
