@@ -32,8 +32,10 @@ from .cpu_kernels import kernel_available_for, load_kernel
 
 def cp_transition(h, u_t, W1, W2):
     """``A(x_t) h = W1 (u_t * (W2^T h))`` with ``W1, W2: [N, H, R]`` and ``u_t: [B, N, R]``."""
-    p = (h.unsqueeze(-2) @ W2).squeeze(-2)  # batched matmuls: a third of the dispatch cost of einsum here
-    return ((u_t * p).unsqueeze(-2) @ W1.transpose(-1, -2)).squeeze(-2)
+    # One matmul per head with the batch as rows: 2-4x faster than einsum, and 3-9x faster (with backward) than a
+    # broadcast [B, N, 1, H] @ [N, H, R], which runs one vector-matrix product per row.
+    p = torch.bmm(h.transpose(0, 1), W2)  # [N, B, R]
+    return torch.bmm(u_t.transpose(0, 1) * p, W1.transpose(1, 2)).transpose(0, 1)
 
 
 def full_transition(h, u_t, W):
