@@ -50,13 +50,14 @@ def full_transition(h, u_t, W):
 def block_diagonal_transition(h, u_t, W):
     """Full bilinear transitions on diagonal blocks: ``W: [N, nb, b, b, K]``, ``u_t: [B, N, K]``.
 
-    The blocks are small, so the transition matrices are built first (``[B, N, nb, b, b]``, one matmul) and then
-    applied (10x faster than contracting the state against every ``W_k``, which pays off only for large blocks).
+    The blocks are small, so the transition matrices are built first (``[B, N, nb, b, b]``, one matmul per head with
+    the batch as rows) and then applied (10x faster than contracting the state against every ``W_k``, which pays
+    off only for large blocks).
     """
     B, N, H = h.shape
     nb, b, K = W.shape[1], W.shape[2], W.shape[-1]
-    A = (u_t.unsqueeze(-2) @ W.reshape(N, -1, K).transpose(-1, -2)).view(B, N, nb, b, b)
-    return (A @ h.reshape(B, N, nb, b, 1)).reshape(B, N, H)
+    A = torch.bmm(u_t.transpose(0, 1), W.reshape(N, -1, K).transpose(1, 2)).transpose(0, 1).reshape(B, N, nb, b, b)
+    return (A * h.reshape(B, N, nb, 1, b)).sum(-1).reshape(B, N, H)
 
 
 def rotation_transition(h, u_t):
