@@ -9,9 +9,16 @@ length 40 or 100 could still fail at 500), never training accuracy: the weights 
 validation (accuracy, -loss) are kept, and training stops once validation accuracy has been
 perfect for ``--patience`` steps (or when ``--steps`` / ``--max-seconds`` run out).
 
+Beyond the paper's protocol, ``--state-consistency W`` adds W x a center loss on the recurrent state of the
+bilinear models (see :func:`state_consistency_loss`): same training data, lengths and labels, but prefixes with the
+same label are pulled onto one state direction, so that what the model fits at lengths 2-10 is a finite automaton
+on those directions and holds at any length.
+
     python eval/state_tracking.py --task modular_addition --m 5 --model bilinear-full
     python eval/state_tracking.py --task parity --model lstm --steps 2000 --output parity.json
     python eval/state_tracking.py --task automaton --automaton-file my_fsm.json --model bilinear-cp
+    python eval/state_tracking.py --task random_fsm --m 25 --model bilinear-cp --state-size 32 --rank 640 \
+        --state-consistency 5 --max-seconds 150
     python eval/state_tracking.py --sweep --tasks parity,modular_addition --ms 5,10 \
         --models bilinear-full,bilinear-diagonal,lstm --seeds 0,1 --output-dir runs/probes
     python eval/state_tracking.py --report runs/a/results.json,runs/b/results.json --output-dir runs/probes
@@ -132,6 +139,51 @@ def class_logits(model, tokens: torch.Tensor, num_classes: int) -> torch.Tensor:
     return model(input_ids=tokens, use_cache=False).logits[..., :num_classes].float()
 
 
+def capture_training_states(model) -> list:
+    """Forward hooks on every bilinear layer's state norm: while the model trains, each forward appends that
+    layer's recurrent states ``[B, T, heads, state]`` to the returned list (the caller clears it every step)."""
+    from bilinear_lm.modeling.modeling_bilinear import BilinearStateNorm
+
+    captured = []
+    for module in model.modules():
+        if isinstance(module, BilinearStateNorm):
+            module.register_forward_hook(lambda mod, inp, out: captured.append(inp[0]) if mod.training else None)
+    return captured
+
+
+def check_state_consistency(task: Task, model_name: str, weight: float) -> None:
+    if weight < 0 or not math.isfinite(weight):
+        raise ValueError(f"--state-consistency must be a finite weight >= 0, got {weight}")
+    if weight == 0:
+        return
+    if not model_name.startswith("bilinear-"):
+        raise ValueError(f"--state-consistency reads the bilinear recurrent state; {model_name} has none (drop the flag)")
+    if task.automaton.outputs.unique().numel() != task.automaton.num_states:
+        raise ValueError(f"--state-consistency needs a task whose label is the automaton state, but {task.name}'s "
+                         f"labels merge states ({task.automaton.num_states} states, {task.num_classes} classes)")
+
+
+def state_consistency_loss(states: list, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Center loss on the recurrent state: mean squared distance of each unit-norm head state to the batch mean
+    of the states with the same label, averaged over layers.
+
+    The state is only defined up to scale, so it is compared as a direction (a sign flip counts as an error).
+    When the label is the automaton state, a model at zero loss keeps one state per automaton state at lengths
+    2-10; its transitions then map those states onto each other, which holds at any length. Without it, the
+    states of one automaton state drift apart with the history, slowly enough to pass at training lengths.
+    """
+    y = labels.reshape(-1)
+    onehot = F.one_hot(y, num_classes).to(states[0].dtype)
+    counts = onehot.sum(0).clamp_min(1).unsqueeze(-1)
+    total = 0.0
+    for h in states:
+        h = h / h.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
+        h = h.flatten(2).flatten(0, 1)
+        centers = (onehot.T @ h) / counts
+        total = total + (h - centers[y]).pow(2).sum(-1).mean()
+    return total / len(states)
+
+
 # ---------------------------------------------------------------------------- training / evaluation
 @torch.no_grad()
 def evaluate(model, tokens, labels, num_classes: int, eval_tokens: int = 8192):
@@ -194,6 +246,8 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
     model, model_cfg = build_model(model_name, task, args)
     model.train()
     lr = args.lr if args.lr is not None else default_lr(model_name)
+    check_state_consistency(task, model_name, args.state_consistency)
+    captured = capture_training_states(model) if args.state_consistency > 0 else None
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
     val_x, val_y = task.sample(args.val_size, args.val_length, torch.Generator().manual_seed(VAL_SEED))
@@ -209,6 +263,9 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
         L = int(torch.randint(lo, hi + 1, (1,), generator=g))
         x, y = task.sample(args.batch_size, L, g)
         loss = F.cross_entropy(class_logits(model, x, C).reshape(-1, C), y.reshape(-1))
+        if captured is not None:
+            loss = loss + args.state_consistency * state_consistency_loss(captured, y, C)
+            captured.clear()
         if not torch.isfinite(loss):
             stop_reason = "diverged"
             log(f"  step {step}: non-finite loss, stopping (keeping the best validated weights)")
@@ -264,7 +321,8 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
         "task": task.name, "task_params": task.params, "m": task.params.get("m"), "model": model_name, "seed": seed,
         "vocab_size": task.vocab_size, "num_classes": C, "chance": chance,
         "model_config": model_cfg, "num_params": sum(p.numel() for p in model.parameters()),
-        "lr": lr, "lr_schedule": args.lr_schedule, "batch_size": args.batch_size, "train_lengths": [lo, hi],
+        "lr": lr, "lr_schedule": args.lr_schedule, "state_consistency": args.state_consistency,
+        "batch_size": args.batch_size, "train_lengths": [lo, hi],
         "val_length": args.val_length, "val_size": args.val_size, "test_size": args.test_size,
         "steps": step, "seconds": round(train_seconds, 2), "eval_seconds": round(time.time() - t0 - train_seconds, 2),
         "stop_reason": stop_reason, "best_step": best_step, "best_val_acc": best_val_acc, "best_val_loss": best_val_loss,
@@ -421,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate", action="store_true",
                    help="bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the paper's linear "
                         "readout of the normalized state)")
+    p.add_argument("--state-consistency", type=float, default=0.0, metavar="WEIGHT",
+                   help="bilinear: add WEIGHT x a center loss pulling together the recurrent states of prefixes with the "
+                        "same label (for tasks whose label is the automaton state; 0 = off, the paper's protocol)")
     p.add_argument("--num-heads", type=int, default=4, help="transformer attention heads")
     p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluation chunk (memory bound)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (machine is shared)")

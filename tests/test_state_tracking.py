@@ -122,7 +122,63 @@ def test_sweep_writes_table_plot_and_resumes(tmp_path, capsys):
     (["--task", "modular_addition", "--m", "1", "--model", "lstm"], "m must be an integer >= 2"),
     (["--model", "lstm"], "give --task"),
     (["--sweep", "--tasks", "parity,sorting", "--models", "lstm"], "unknown task 'sorting'"),
+    (["--task", "parity", "--model", "lstm", "--state-consistency", "1"], "reads the bilinear recurrent state"),
+    (["--task", "modular_arithmetic", "--model", "bilinear-cp", "--state-consistency", "1"], "labels merge states"),
+    (["--task", "parity", "--model", "bilinear-cp", "--state-consistency", "-1"], "finite weight >= 0"),
 ])
 def test_bad_cli_input_names_the_problem(argv, match, tmp_path):
     with pytest.raises(SystemExit, match=match):
         st.main([*argv, "--steps", "1", "--output-dir", str(tmp_path), *TINY])
+
+
+def test_state_consistency_loss_matches_a_per_class_loop():
+    """Center loss on unit-norm head states against a loop over classes; zero iff each class has one direction."""
+    torch.manual_seed(0)
+    B, T, N, H, C = 3, 5, 2, 4, 4
+    states = [torch.randn(B, T, N, H, dtype=torch.float64) * torch.rand(B, T, N, 1, dtype=torch.float64) * 10
+              for _ in range(2)]
+    labels = torch.randint(C - 1, (B, T))
+    labels[0, 0] = C - 1  # a class seen once contributes zero
+    expected = []
+    for h in states:
+        unit = (h / h.norm(dim=-1, keepdim=True)).reshape(B * T, N * H)
+        y = labels.reshape(-1)
+        per_position = [((unit[i] - unit[y == y[i]].mean(0)) ** 2).sum() for i in range(B * T)]
+        expected.append(torch.stack(per_position).mean())
+    got = st.state_consistency_loss(states, labels, C)
+    assert torch.allclose(got, torch.stack(expected).mean())
+    # Same direction within each class at any positive scale: zero. A sign flip is penalized.
+    protos = torch.randn(C, N, H, dtype=torch.float64)
+    scale = torch.rand(B, T, N, 1, dtype=torch.float64) + 0.1
+    same = [protos[labels] * scale]
+    assert st.state_consistency_loss(same, labels, C) < 1e-24
+    flipped = same[0].clone()
+    flipped[1, 2] *= -1
+    assert st.state_consistency_loss([flipped], labels, C) > 1e-3
+
+
+def test_state_consistency_hooks_capture_training_states_only():
+    task = make_task("random_fsm", 4)
+    args = args_for(*TINY)
+    model, _ = st.build_model("bilinear-cp", task, args)
+    captured = st.capture_training_states(model)
+    x, y = task.sample(3, 6, torch.Generator().manual_seed(0))
+    model.train()
+    model(input_ids=x)
+    loss = st.state_consistency_loss(captured, y, task.num_classes)
+    assert len(captured) == 1 and captured[0].shape == (3, 6, 1, 8) and captured[0].requires_grad
+    loss.backward()
+    assert model.model.layers[0].mixer.W1.grad is not None
+    captured.clear()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=x)
+    assert captured == []
+
+
+def test_state_consistency_run_records_its_weight(tmp_path):
+    out = tmp_path / "r.json"
+    st.main(["--task", "random_fsm", "--m", "3", "--model", "bilinear-cp", "--steps", "3", "--state-consistency", "0.5",
+             "--test-lengths", "20", "--output", str(out), *TINY])
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["state_consistency"] == 0.5 and run["steps"] == 3
