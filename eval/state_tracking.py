@@ -18,7 +18,7 @@ on those directions and holds at any length.
     python eval/state_tracking.py --task parity --model lstm --steps 2000 --output parity.json
     python eval/state_tracking.py --task automaton --automaton-file my_fsm.json --model bilinear-cp
     python eval/state_tracking.py --task random_fsm --m 25 --model bilinear-cp --state-size 32 --rank 640 \
-        --state-consistency 5 --max-seconds 150
+        --state-consistency 5 --batch-size 256 --max-seconds 150
     python eval/state_tracking.py --sweep --tasks parity,modular_addition --ms 5,10 \
         --models bilinear-full,bilinear-diagonal,lstm --seeds 0,1 --output-dir runs/probes
     python eval/state_tracking.py --report runs/a/results.json,runs/b/results.json --output-dir runs/probes
@@ -540,6 +540,10 @@ def _main(args) -> int:
         ms, models, seeds = parse_list(args.ms, int, "--ms"), parse_list(args.models, str, "--models"), parse_list(args.seeds, int, "--seeds")
         for mdl in models:
             check_model_name(mdl, args)
+        for t in tasks:  # refuse a bad combination before any run, not in the middle of the sweep
+            for m in (ms if t in USES_M else [None]):
+                for mdl in models:
+                    check_state_consistency(task_from_args(t, m, args), mdl, args.state_consistency)
         out_dir = Path(args.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         res_path = out_dir / "results.json"

@@ -131,6 +131,13 @@ def test_bad_cli_input_names_the_problem(argv, match, tmp_path):
         st.main([*argv, "--steps", "1", "--output-dir", str(tmp_path), *TINY])
 
 
+def test_sweep_refuses_state_consistency_for_a_baseline_before_any_run(tmp_path):
+    with pytest.raises(SystemExit, match="lstm has none"):
+        st.main(["--sweep", "--tasks", "parity", "--models", "bilinear-cp,lstm", "--state-consistency", "1",
+                 "--steps", "1", "--output-dir", str(tmp_path), *TINY])
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_state_consistency_loss_matches_a_per_class_loop():
     """Center loss on unit-norm head states against a loop over classes; zero iff each class has one direction."""
     torch.manual_seed(0)
