@@ -164,14 +164,19 @@ def check_state_consistency(task: Task, model_name: str, weight: float) -> None:
 
 
 def state_consistency_loss(states: list, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Center loss on the recurrent state: mean squared distance of each unit-norm head state to the batch mean
-    of the states with the same label, averaged over layers.
+    """Center loss on the recurrent state: squared distance of each position's state (each head scaled to unit
+    norm, summed over heads) to the batch mean of the states with the same label, averaged over positions and
+    layers. ``states``: one ``[B, T, heads, state]`` tensor per layer; ``labels``: ``[B, T]``.
 
     The state is only defined up to scale, so it is compared as a direction (a sign flip counts as an error).
     When the label is the automaton state, a model at zero loss keeps one state per automaton state at lengths
     2-10; its transitions then map those states onto each other, which holds at any length. Without it, the
     states of one automaton state drift apart with the history, slowly enough to pass at training lengths.
     """
+    if not states or any(h.shape[:2] != labels.shape for h in states):
+        raise ValueError(f"state consistency needs one [B, T, heads, state] tensor per bilinear layer for labels "
+                         f"{tuple(labels.shape)}, got {[tuple(h.shape) for h in states]} (a forward that ran outside "
+                         "training, or gradient checkpointing re-running the layers, breaks the capture)")
     y = labels.reshape(-1)
     onehot = F.one_hot(y, num_classes).to(states[0].dtype)
     counts = onehot.sum(0).clamp_min(1).unsqueeze(-1)
@@ -262,10 +267,12 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
         step += 1
         L = int(torch.randint(lo, hi + 1, (1,), generator=g))
         x, y = task.sample(args.batch_size, L, g)
-        loss = F.cross_entropy(class_logits(model, x, C).reshape(-1, C), y.reshape(-1))
+        ce = F.cross_entropy(class_logits(model, x, C).reshape(-1, C), y.reshape(-1))
+        loss = ce
         if captured is not None:
-            loss = loss + args.state_consistency * state_consistency_loss(captured, y, C)
+            consistency = state_consistency_loss(captured, y, C)
             captured.clear()
+            loss = ce + args.state_consistency * consistency
         if not torch.isfinite(loss):
             stop_reason = "diverged"
             log(f"  step {step}: non-finite loss, stopping (keeping the best validated weights)")
@@ -278,13 +285,14 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
-        train_loss = loss.item()
+        train_loss = ce.item()
         out_of_time = args.max_seconds is not None and time.time() - t0 > args.max_seconds
         if step % args.eval_every == 0 or step == args.steps or out_of_time:
             acc_pos, val_loss = evaluate(model, val_x, val_y, C, args.eval_tokens)
             val_acc = float(acc_pos.mean())
             history.append({"step": step, "train_loss": round(train_loss, 5), "val_acc": round(val_acc, 5),
-                            "val_loss": round(val_loss, 5)})
+                            "val_loss": round(val_loss, 5),
+                            **({"consistency_loss": round(consistency.item(), 5)} if captured is not None else {})})
             key = (val_acc, -val_loss) if math.isfinite(val_loss) else (val_acc, -math.inf)
             if key >= best_key:
                 best_key, best_state, best_step = key, copy.deepcopy(model.state_dict()), step
@@ -338,7 +346,14 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
 
 # ---------------------------------------------------------------------------- reporting
 def run_key(r: dict) -> tuple:
-    return (r["task"], json.dumps(r["task_params"], sort_keys=True), r["model"], r["seed"])
+    return (r["task"], json.dumps(r["task_params"], sort_keys=True), r["model"], r["seed"],
+            r.get("state_consistency", 0.0))
+
+
+def model_label(r: dict) -> str:
+    """Model name as tables and plots show it (runs with state consistency are a separate row)."""
+    w = r.get("state_consistency", 0.0)
+    return f"{r['model']} +consistency {w:g}" if w else r["model"]
 
 
 def task_label(r: dict) -> str:
@@ -355,7 +370,7 @@ def task_label(r: dict) -> str:
 def _groups(runs: list[dict]):
     tasks, models, cells = [], [], {}
     for r in runs:
-        t, mdl = task_label(r), r["model"]
+        t, mdl = task_label(r), model_label(r)
         if t not in tasks:
             tasks.append(t)
         if mdl not in models:
@@ -395,7 +410,7 @@ def markdown_table(runs: list[dict]) -> str:
     out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         te = r["test"][_longest(r)]
-        out.append(f"| {task_label(r)} | {r['model']} | {r['seed']} | {r['num_params']} | {te['final_acc']:.3f} | "
+        out.append(f"| {task_label(r)} | {model_label(r)} | {r['seed']} | {r['num_params']} | {te['final_acc']:.3f} | "
                    f"{te['final_acc_norm']:.3f} | {te['beyond_train_acc']:.3f} | {r['best_val_acc']:.3f} | "
                    f"{r['steps']} | {r['seconds']:.1f} | {r['stop_reason']} |")
     return "\n".join(out) + "\n"
@@ -540,10 +555,11 @@ def _main(args) -> int:
         ms, models, seeds = parse_list(args.ms, int, "--ms"), parse_list(args.models, str, "--models"), parse_list(args.seeds, int, "--seeds")
         for mdl in models:
             check_model_name(mdl, args)
-        for t in tasks:  # refuse a bad combination before any run, not in the middle of the sweep
-            for m in (ms if t in USES_M else [None]):
-                for mdl in models:
-                    check_state_consistency(task_from_args(t, m, args), mdl, args.state_consistency)
+        if args.state_consistency:  # refuse a bad combination before any run, not in the middle of the sweep
+            for t in tasks:
+                for m in (ms if t in USES_M else [None]):
+                    for mdl in models:
+                        check_state_consistency(task_from_args(t, m, args), mdl, args.state_consistency)
         out_dir = Path(args.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         res_path = out_dir / "results.json"
@@ -556,7 +572,7 @@ def _main(args) -> int:
                 task = task_from_args(t, m, args)
                 for mdl in models:
                     for seed in seeds:
-                        key = (task.name, json.dumps(task.params, sort_keys=True), mdl, seed)
+                        key = (task.name, json.dumps(task.params, sort_keys=True), mdl, seed, args.state_consistency)
                         if key in done:
                             continue
                         runs.append(run_probe(task, mdl, seed, args))

@@ -175,7 +175,9 @@ def test_state_consistency_hooks_capture_training_states_only():
     loss = st.state_consistency_loss(captured, y, task.num_classes)
     assert len(captured) == 1 and captured[0].shape == (3, 6, 1, 8) and captured[0].requires_grad
     loss.backward()
-    assert model.model.layers[0].mixer.W1.grad is not None
+    mixer = model.model.layers[0].mixer
+    for p in (mixer.W2, mixer.in_proj.weight, mixer.h0):  # through the scan, the input factors and the start state
+        assert p.grad is not None and p.grad.abs().sum() > 0
     captured.clear()
     model.eval()
     with torch.no_grad():
@@ -183,9 +185,30 @@ def test_state_consistency_hooks_capture_training_states_only():
     assert captured == []
 
 
-def test_state_consistency_run_records_its_weight(tmp_path):
-    out = tmp_path / "r.json"
-    st.main(["--task", "random_fsm", "--m", "3", "--model", "bilinear-cp", "--steps", "3", "--state-consistency", "0.5",
-             "--test-lengths", "20", "--output", str(out), *TINY])
-    run = json.loads(out.read_text())["runs"][0]
-    assert run["state_consistency"] == 0.5 and run["steps"] == 3
+def test_state_consistency_changes_training_and_is_recorded(tmp_path):
+    """Same seed and data: the center loss changes the weights (cross-entropy logged apart), and is recorded."""
+    runs = {}
+    for w in ("0", "0.5"):
+        out = tmp_path / f"r{w}.json"
+        st.main(["--task", "random_fsm", "--m", "3", "--model", "bilinear-cp", "--steps", "10", "--state-consistency", w,
+                 "--test-lengths", "20", "--output", str(out), *TINY])
+        runs[w] = json.loads(out.read_text())["runs"][0]
+    off, on = runs["0"], runs["0.5"]
+    assert on["state_consistency"] == 0.5 and off["state_consistency"] == 0.0
+    assert "consistency_loss" in on["history"][0] and "consistency_loss" not in off["history"][0]
+    assert [h["step"] for h in on["history"]] == [h["step"] for h in off["history"]] == [5, 10]
+    assert all(a["train_loss"] != b["train_loss"] for a, b in zip(on["history"], off["history"]))
+
+
+def test_state_consistency_loss_names_a_capture_mismatch():
+    with pytest.raises(ValueError, match="one \\[B, T, heads, state\\] tensor per bilinear layer"):
+        st.state_consistency_loss([], torch.zeros(2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        st.state_consistency_loss([torch.randn(2, 4, 1, 8)], torch.zeros(2, 3, dtype=torch.long), 4)
+
+
+def test_runs_with_and_without_state_consistency_are_separate_rows():
+    base = {"task": "parity", "task_params": {}, "model": "bilinear-cp", "seed": 0}
+    a, b = dict(base), dict(base, state_consistency=5.0)
+    assert st.run_key(a) != st.run_key(b)
+    assert st.model_label(a) == "bilinear-cp" and st.model_label(b) == "bilinear-cp +consistency 5"
