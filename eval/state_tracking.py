@@ -247,11 +247,11 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
     test_lengths = parse_list(args.test_lengths, int, "--test-lengths")
     args._max_len = max(test_lengths + [args.val_length])
     C, chance = task.num_classes, task.chance
+    check_state_consistency(task, model_name, args.state_consistency)
     torch.manual_seed(seed)
     model, model_cfg = build_model(model_name, task, args)
     model.train()
     lr = args.lr if args.lr is not None else default_lr(model_name)
-    check_state_consistency(task, model_name, args.state_consistency)
     captured = capture_training_states(model) if args.state_consistency > 0 else None
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
@@ -346,6 +346,7 @@ def run_probe(task: Task, model_name: str, seed: int, args, log=print) -> dict:
 
 # ---------------------------------------------------------------------------- reporting
 def run_key(r: dict) -> tuple:
+    """What identifies a run in a results file (a sweep skips the runs already there)."""
     return (r["task"], json.dumps(r["task_params"], sort_keys=True), r["model"], r["seed"],
             r.get("state_consistency", 0.0))
 
@@ -555,11 +556,10 @@ def _main(args) -> int:
         ms, models, seeds = parse_list(args.ms, int, "--ms"), parse_list(args.models, str, "--models"), parse_list(args.seeds, int, "--seeds")
         for mdl in models:
             check_model_name(mdl, args)
-        if args.state_consistency:  # refuse a bad combination before any run, not in the middle of the sweep
-            for t in tasks:
-                for m in (ms if t in USES_M else [None]):
-                    for mdl in models:
-                        check_state_consistency(task_from_args(t, m, args), mdl, args.state_consistency)
+        grid = [task_from_args(t, m, args) for t in tasks for m in (ms if t in USES_M else [None])]
+        for task in grid:  # refuse a bad combination before any run, not in the middle of the sweep
+            for mdl in models:
+                check_state_consistency(task, mdl, args.state_consistency)
         out_dir = Path(args.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         res_path = out_dir / "results.json"
@@ -567,16 +567,15 @@ def _main(args) -> int:
         done = {run_key(r) for r in runs}
         if done:
             print(f"resuming: {len(done)} runs already in {res_path}")
-        for t in tasks:
-            for m in (ms if t in USES_M else [None]):
-                task = task_from_args(t, m, args)
-                for mdl in models:
-                    for seed in seeds:
-                        key = (task.name, json.dumps(task.params, sort_keys=True), mdl, seed, args.state_consistency)
-                        if key in done:
-                            continue
-                        runs.append(run_probe(task, mdl, seed, args))
-                        res_path.write_text(json.dumps({"runs": runs}, indent=1))
+        for task in grid:
+            for mdl in models:
+                for seed in seeds:
+                    key = run_key({"task": task.name, "task_params": task.params, "model": mdl, "seed": seed,
+                                   "state_consistency": args.state_consistency})
+                    if key in done:
+                        continue
+                    runs.append(run_probe(task, mdl, seed, args))
+                    res_path.write_text(json.dumps({"runs": runs}, indent=1))
         write_report(runs, out_dir)
         print(f"wrote {res_path}, {out_dir / 'table.md'}, {out_dir / 'accuracy_vs_length.png'}")
         print(markdown_table(runs))
