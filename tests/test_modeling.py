@@ -231,8 +231,8 @@ def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, 
     fused, expected = _fused_and_modules(block, x, state, mask, offset)
     for got, want in zip(fused, expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fused[1][2], state[2], rtol=0, atol=0)
-    assert fused[1][1, 0].abs().max() < 2.0  # renormalized by the guard
+    torch.testing.assert_close(fused[-1][2], state[2], rtol=0, atol=0)
+    assert fused[-1][1, 0].abs().max() < 2.0  # renormalized by the guard
 
 
 def test_fused_decode_step_from_initial_state_in_fp32(tiny_bilinear_config):
@@ -260,3 +260,24 @@ def test_fused_decode_step_is_not_taken_outside_its_cover(tiny_bilinear_config):
         assert block._fused_decode_weights(torch.randn(1, 1, D)) is not None
         block.mixer.in_proj = torch.nn.Linear(D, block.mixer.in_proj.out_features, bias=False)  # e.g. an adapter
         assert block._fused_decode_weights(torch.randn(1, 1, D)) is None
+
+
+def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
+    """``output_mixer_states``: layer l's states equal the reference loop run on that layer's own input factors."""
+    from functools import partial
+
+    from bilinear_lm.modeling.recurrence import cp_transition, reference_recurrence
+
+    model = build(tiny_bilinear_config, torch.float64)
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 9))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, output_mixer_states=True)
+        assert len(out.mixer_states) == tiny_bilinear_config.num_hidden_layers
+        for layer, x, states in zip(model.model.layers, out.hidden_states, out.mixer_states):
+            mixer = layer.mixer
+            factors = mixer.in_proj(layer.mixer_norm(x))[..., :mixer.split_sizes[0]] + mixer.factor_bias
+            expected, _ = reference_recurrence(partial(cp_transition, W1=mixer.W1, W2=mixer.W2),
+                                               factors.view(2, 9, mixer.num_heads, -1), mixer.h0,
+                                               chunk=tiny_bilinear_config.norm_chunk_size)
+            torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
+    assert model(ids).mixer_states is None

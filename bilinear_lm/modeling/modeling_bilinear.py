@@ -5,6 +5,7 @@ same-folder modules.
 """
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -54,6 +55,22 @@ class BilinearCache:
         return len(self.states)
 
 
+@dataclass
+class BilinearModelOutput(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` plus ``mixer_states``: with ``output_mixer_states=True``, one
+    ``[batch, seq_len, heads, state_size]`` tensor per layer, the recurrent state after each position (each head's
+    state is defined up to a positive factor: compare directions)."""
+
+    mixer_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class BilinearCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``mixer_states`` (see :class:`BilinearModelOutput`)."""
+
+    mixer_states: tuple[torch.Tensor, ...] | None = None
+
+
 class BilinearRMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in at least fp32."""
 
@@ -84,7 +101,8 @@ class BilinearStateNorm(nn.Module):
 class BilinearMixer(nn.Module):
     """Multi-head bilinear recurrence ``h_t = A(x_t) h_{t-1}`` with a normalized, gated readout.
 
-    ``forward(x, state, mask, offset) -> (y, final_state)``: the layer receives and returns its state.
+    ``forward(x, state, mask, offset) -> (y, states, final_state)``: the layer receives and returns its state
+    (``states``: the state after every position, ``[B, T, heads, state_size]``).
     """
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
@@ -182,7 +200,7 @@ class BilinearMixer(nn.Module):
         y = y.to(x.dtype)
         if self.config.use_gate:
             y = y * F.silu(gate)
-        return self.out_proj(y), final
+        return self.out_proj(y), states, final
 
 
 class BilinearMLP(nn.Module):
@@ -216,11 +234,11 @@ class BilinearBlock(GradientCheckpointingLayer):
         weights = self._fused_decode_weights(hidden_states)
         if weights is not None:
             return self._fused_decode_step(hidden_states, weights, state, mask, offset)
-        mixed, final_state = self.mixer(self.mixer_norm(hidden_states), state, mask, offset)
+        mixed, states, final_state = self.mixer(self.mixer_norm(hidden_states), state, mask, offset)
         hidden_states = hidden_states + mixed
         if self.mlp is not None:
             hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states, final_state
+        return hidden_states, states, final_state
 
     def _fused_decode_weights(self, x) -> list | None:
         """The weights for the compiled one-call decoding step if it covers this call, else None (the modules run).
@@ -253,7 +271,7 @@ class BilinearBlock(GradientCheckpointingLayer):
         x_new, h_new = load_kernel().decode_block(
             x.reshape(B, D).contiguous(), h, keep, chunk > 0 and (offset + 1) % chunk == 0, chunk > 0,
             norm_w, self.mixer_norm.eps, *rest)
-        return x_new.view(B, 1, D), h_new
+        return x_new.view(B, 1, D), h_new[:, None], h_new
 
 
 class BilinearPreTrainedModel(PreTrainedModel):
@@ -301,9 +319,10 @@ class BilinearModel(BilinearPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_mixer_states: bool = False,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BilinearModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BilinearModel.forward: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -325,9 +344,12 @@ class BilinearModel(BilinearPreTrainedModel):
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_mixer_states = () if output_mixer_states else None
         for i, layer in enumerate(self.layers):
             state = past_key_values.states[i] if past_key_values is not None else None
-            hidden_states, final_state = layer(hidden_states, state, mask, offset)
+            hidden_states, states, final_state = layer(hidden_states, state, mask, offset)
+            if output_mixer_states:
+                all_mixer_states += (states,)
             if past_key_values is not None:
                 past_key_values.states[i] = final_state
             if output_hidden_states and i < len(self.layers) - 1:
@@ -337,10 +359,11 @@ class BilinearModel(BilinearPreTrainedModel):
             all_hidden_states += (hidden_states,)
         if past_key_values is not None:
             past_key_values.seen_tokens += T
-        return BaseModelOutputWithPast(
+        return BilinearModelOutput(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden_states,
+            mixer_states=all_mixer_states,
         )
 
 
@@ -370,10 +393,11 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_mixer_states: bool = False,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> BilinearCausalLMOutput:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -381,6 +405,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_mixer_states=output_mixer_states,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -388,11 +413,12 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return BilinearCausalLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            mixer_states=outputs.mixer_states,
         )
 
 
