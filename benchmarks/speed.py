@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM  # noqa: E402
 from bilinear_lm.baselines import build_model, count_parameters, matched_lstm  # noqa: E402
-from bilinear_lm.modeling.recurrence import cp_recurrence  # noqa: E402
+from bilinear_lm.modeling.ops import cp_recurrence  # noqa: E402
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
 SIZES = {

@@ -181,7 +181,7 @@ def test_decode_linear_kernel_equals_matmul(dtype, monkeypatch):
             calls.append(x.shape[0])
             return kernel.small_batch_linear(x, w)
 
-    monkeypatch.setattr(cpu_kernels, "load_kernel", lambda: Spy())
+    monkeypatch.setattr(cpu_kernels, "built_kernel", lambda: Spy())
     torch.manual_seed(0)
     layer = cpu_kernels.Linear(37, 23).to(dtype)  # out features not a multiple of the kernel's 4-row blocks
     for shape in [(1, 1, 37), (3, 37), (2, 2, 37), (5, 37)]:  # 1-4 rows take the kernel, 5 the matmul
@@ -196,6 +196,9 @@ def test_decode_linear_kernel_equals_matmul(dtype, monkeypatch):
     layer(x).sum().backward()  # with gradients enabled the layer is F.linear, so autograd works
     torch.testing.assert_close(x.grad, layer.weight.sum(0, keepdim=True))
     assert calls == [1, 3, 4]
+
+
+from bilinear_lm.modeling.ops import fused_decode_weights
 
 
 def _decode_block(config, dtype=torch.float64):
@@ -213,7 +216,7 @@ def _decode_block(config, dtype=torch.float64):
 def _fused_and_modules(block, *args):
     expected = block(*args)  # gradients enabled: the modules
     with torch.no_grad():
-        assert block._fused_decode_weights(args[0]) is not None
+        assert fused_decode_weights(block, args[0]) is not None
         fused = block(*args)
     return fused, [t.detach() for t in expected]
 
@@ -247,19 +250,19 @@ def test_fused_decode_step_is_not_taken_outside_its_cover(tiny_bilinear_config):
     block = _decode_block(tiny_bilinear_config, torch.float32)
     D = tiny_bilinear_config.hidden_size
     with torch.no_grad():
-        assert block._fused_decode_weights(torch.randn(4, 1, D)) is not None
-        assert block._fused_decode_weights(torch.randn(5, 1, D)) is None  # too many rows
-        assert block._fused_decode_weights(torch.randn(1, 2, D)) is None  # two positions
-        assert block.to(torch.bfloat16)._fused_decode_weights(torch.randn(1, 1, D, dtype=torch.bfloat16)) is None
+        assert fused_decode_weights(block, torch.randn(4, 1, D)) is not None
+        assert fused_decode_weights(block, torch.randn(5, 1, D)) is None  # too many rows
+        assert fused_decode_weights(block, torch.randn(1, 2, D)) is None  # two positions
+        assert fused_decode_weights(block.to(torch.bfloat16), torch.randn(1, 1, D, dtype=torch.bfloat16)) is None
         block.float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert block._fused_decode_weights(torch.randn(1, 1, D)) is None
+            assert fused_decode_weights(block, torch.randn(1, 1, D)) is None
         block.mixer.state_norm.double()
-        assert block._fused_decode_weights(torch.randn(1, 1, D)) is None  # a weight in another dtype
+        assert fused_decode_weights(block, torch.randn(1, 1, D)) is None  # a weight in another dtype
         block.mixer.state_norm.float()
-        assert block._fused_decode_weights(torch.randn(1, 1, D)) is not None
+        assert fused_decode_weights(block, torch.randn(1, 1, D)) is not None
         block.mixer.in_proj = torch.nn.Linear(D, block.mixer.in_proj.out_features, bias=False)  # e.g. an adapter
-        assert block._fused_decode_weights(torch.randn(1, 1, D)) is None
+        assert fused_decode_weights(block, torch.randn(1, 1, D)) is None
 
 
 def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
@@ -281,3 +284,40 @@ def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
                                                chunk=tiny_bilinear_config.norm_chunk_size)
             torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
     assert model(ids).mixer_states is None
+
+
+def test_torch_compile_traces_a_training_step_of_the_tiny_preset_in_one_graph():
+    """The scans are custom ops with fake implementations: the whole forward and backward trace as one graph
+    (``fullgraph=True`` fails on any graph break), and the compiled step's loss and gradients equal eager mode."""
+    import yaml
+
+    from conftest import REPO_ROOT
+
+    model_keys = yaml.safe_load((REPO_ROOT / "bilinear_lm/configs/tiny.yaml").read_text())["model"]
+    torch.manual_seed(0)
+    model = BilinearForCausalLM(BilinearConfig(vocab_size=512, **model_keys)).train()
+    ids = torch.randint(0, 512, (2, 80))  # past one normalization boundary (norm_chunk_size 64)
+    eager = model(input_ids=ids, labels=ids).loss
+    eager.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+def test_bad_input_ids_raise_a_clear_error(tiny_bilinear_config):
+    model = build(tiny_bilinear_config)
+    V = tiny_bilinear_config.vocab_size
+    with pytest.raises(ValueError, match=rf"token id {V} is outside the model's vocabulary \[0, {V}\)"):
+        model(torch.tensor([[1, V, 2]]))
+    with pytest.raises(ValueError, match=r"token id -1 is outside"):
+        model(torch.tensor([[1, -1]]))
+    with pytest.raises(ValueError, match="at least one token"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"token id {V + 5} is outside"):
+        model.generate(torch.tensor([[1, V + 5]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="at least one position"):
+        model(inputs_embeds=torch.zeros(1, 0, tiny_bilinear_config.hidden_size))

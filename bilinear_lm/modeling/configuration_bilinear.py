@@ -27,11 +27,11 @@ class BilinearConfig(PreTrainedConfig):
     `additive_input=True` adds `B x_t` to the update (the paper's ablation); it breaks scale invariance, so
     normalization then changes the outputs.
 
-    `recurrence_impl` picks how the CP recurrence runs: `"cpp"` (a C++ CPU kernel compiled on first use),
-    `"torch"` (a PyTorch scan, any device), `"auto"` (the kernel on CPU when it builds, else the PyTorch scan; but the
-    plain loop when `rank > 2 * state_size`, since the scans work in rank space at `rank^2` per step while the loop
-    costs `2 * rank * state_size`) or `"reference"` (the plain loop that specifies it; every other mixer type always
-    uses that loop).
+    `recurrence_impl` picks how the CP recurrence runs (`ops.resolve_impl` decides; every other mixer type, and CP
+    with `additive_input`, always runs the plain loop): `"cpp"` (a C++ CPU kernel), `"torch"` (a PyTorch scan, any
+    device), `"reference"` (the plain loop that specifies it) or `"auto"`: the kernel on CPU when it builds, else the
+    PyTorch scan, but the plain loop for one position and when `rank > 2 * state_size` (the scans work in rank space
+    at `rank^2` per step, the loop at `2 * rank * state_size`).
 
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """

@@ -1,10 +1,12 @@
-"""C++ CPU kernels, compiled on first use and cached by torch.
+"""C++ CPU kernels, built by :func:`load_kernel` (the model calls it on its first CPU forward; cached by torch).
 
-* ``forward`` / ``backward``: the CP rank-space scan. Every (head, batch row) evolves independently, so each is
-  one thread's sequential loop over time with no per-step synchronization or dispatch. It computes exactly what
-  the PyTorch loop in ``recurrence._CPScan`` computes (tested against it and against the reference loop).
-* ``small_batch_linear``: a GEMV for a few rows (decoding), used by :class:`Linear`.
-* ``decode_block``: one decoding step of a whole ``BilinearBlock`` in one call (tested against the modules).
+* ``scan_forward`` / ``scan_backward`` (``SCAN_SOURCE``): the CP rank-space scan, the same entry points as
+  ``torch_scan.forward/backward``. Every (head, batch row) evolves independently, so each is one thread's
+  sequential loop over time with no per-step synchronization or dispatch (tested against the PyTorch scan and the
+  reference loop).
+* ``small_batch_linear`` (``GEMV_SOURCE``): a GEMV for a few rows (decoding), used by :class:`Linear`.
+* ``decode_block`` (``DECODE_BLOCK_SOURCE``): one decoding step of a whole ``BilinearBlock`` in one call, its
+  weights passed by name (:class:`DecodeBlockWeights`; tested against the modules).
 
 :func:`load_kernel` returns ``None`` when the kernels cannot be built (no compiler); the PyTorch paths (scan loop,
 ``F.linear``, the modules) are used instead.
@@ -14,14 +16,18 @@ import hashlib
 import logging
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recurrence import SAFE_MAX, SAFE_MIN
+
 logger = logging.getLogger(__name__)
 
-CPP_SOURCE = r"""
+# Shared by the kernels: the overflow guard's range test (bounds from recurrence.SAFE_MIN/SAFE_MAX) and the norm.
+COMMON_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -29,23 +35,26 @@ CPP_SOURCE = r"""
 #include <limits>
 #include <vector>
 
-// The overflow guard's test (recurrence._rows_in_safe_range): the peak |v_i| lies in [2^-40, 2^40]; a NaN fails.
+// The overflow guard's test (recurrence.in_safe_range): the peak |v_i| lies in (kSafeMin, kSafeMax); a NaN fails.
 template <typename scalar_t>
 bool in_safe_range(const scalar_t* v, int64_t n) {
   scalar_t peak = 0;
   for (int64_t i = 0; i < n; ++i)
     if (!(std::abs(v[i]) <= peak)) peak = std::abs(v[i]);  // a NaN becomes the peak
-  return peak < scalar_t(0x1p40) && peak > scalar_t(0x1p-40);  // NaN fails both
+  return peak < scalar_t(kSafeMax) && peak > scalar_t(kSafeMin);  // NaN fails both
 }
 
-// ||v|| clamped to the smallest normal number, as in recurrence._scale_at_boundary and BilinearStateNorm.
+// ||v|| clamped to the smallest normal number, as in recurrence.scale_at_boundary and BilinearStateNorm.
 template <typename scalar_t>
 scalar_t clamped_norm(const scalar_t* v, int64_t n) {
   scalar_t norm2 = 0;
   for (int64_t i = 0; i < n; ++i) norm2 += v[i] * v[i];
   return std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
 }
+"""
 
+# The CP rank-space scan: the C++ twin of torch_scan.forward/backward.
+SCAN_SOURCE = r"""
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
 // keep: [T, B] bool or empty (no padding). Each (head, row) runs its whole sequence in one thread, chunk by
 // chunk; a chunk whose peak |g| leaves [2^-40, 2^40] is recomputed for that (head, row) normalizing every step.
@@ -95,7 +104,7 @@ struct RowScan {
   }
 };
 
-std::vector<torch::Tensor> forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
+std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
                                    torch::Tensor p0, int64_t chunk, int64_t offset) {
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
   auto G = torch::empty_like(u);
@@ -165,7 +174,7 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
   });
 }
 
-torch::Tensor backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
+torch::Tensor scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
                        torch::Tensor DGT, torch::Tensor DP) {
   auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
   AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
@@ -173,7 +182,10 @@ torch::Tensor backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, to
   });
   return dp0;
 }
+"""
 
+# A few-row GEMV (decoding).
+GEMV_SOURCE = r"""
 // y = x @ W^T for a few rows of x ([M, K], M small: decoding) and W [N, K] row-major: the output features are
 // split across threads and each weight row is streamed from memory once for all M rows. (MKL's GEMV reaches a
 // third of this CPU's memory bandwidth; this is what makes a decode step weight-bandwidth bound.)
@@ -216,7 +228,10 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor W) {
   });
   return y;
 }
+"""
 
+# One decoding step of a whole block.
+DECODE_BLOCK_SOURCE = r"""
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t M, int64_t D, double eps) {
   for (int64_t m = 0; m < M; ++m) {
@@ -287,8 +302,9 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
 }
 
 // Returns (x_new [B, D], h_new [B, N, H]); see decode_block_kernel.
+// The weights' names are the fields of cpu_kernels.DecodeBlockWeights (bound as keyword arguments).
 std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch::Tensor keep, bool boundary, bool guard,
-                                        torch::Tensor mixer_norm_w, double eps, torch::Tensor in_w, torch::Tensor bias,
+                                        double eps, torch::Tensor mixer_norm_w, torch::Tensor in_w, torch::Tensor bias,
                                         torch::Tensor W1, torch::Tensor W2, torch::Tensor state_w, torch::Tensor out_w,
                                         torch::Tensor mlp_norm_w, torch::Tensor gate_up_w, torch::Tensor down_w) {
   const int64_t B = x.size(0), D = x.size(1), N = W1.size(0), H = W1.size(1), R = W1.size(2);
@@ -322,23 +338,45 @@ std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch:
 }
 """
 
+BINDINGS_SOURCE = r"""
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pybind11::arg;
+  m.def("scan_forward", &scan_forward, arg("u"), arg("Mt"), arg("W1"), arg("keep"), arg("p0"), arg("chunk"),
+        arg("offset"));
+  m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("DGT"), arg("DP"));
+  m.def("small_batch_linear", &small_batch_linear, arg("x"), arg("W"));
+  m.def("decode_block", &decode_block, arg("x"), arg("h"), arg("keep"), arg("boundary"), arg("guard"), arg("eps"),
+        arg("mixer_norm"), arg("in_proj"), arg("factor_bias"), arg("W1"), arg("W2"), arg("state_norm"),
+        arg("out_proj"), arg("mlp_norm"), arg("gate_up_proj"), arg("down_proj"));
+}
+"""
+
+
 _lock = threading.Lock()
 _module = None
 _failed = False
 
 
-def _cpu_tag() -> str:
+def _sources() -> list[str]:
+    """The kernels' C++ sources, the guard's bounds taken from the reference loop's (exact hex literals)."""
+    bounds = f"constexpr double kSafeMin = {SAFE_MIN.hex()};\nconstexpr double kSafeMax = {SAFE_MAX.hex()};\n"
+    return [bounds + COMMON_SOURCE + SCAN_SOURCE + GEMV_SOURCE + DECODE_BLOCK_SOURCE + BINDINGS_SOURCE]
+
+
+def _cpu_tag(sources: list[str]) -> str:
     """Build cache key for ``-march=native``: a kernel built on one CPU is never loaded on another."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + CPP_SOURCE).encode()).hexdigest()[:12]
+    return hashlib.sha1((flags + "".join(sources)).encode()).hexdigest()[:12]
 
 
 def load_kernel():
-    """The compiled kernels module, or ``None`` if it cannot be built here (the PyTorch paths are used then)."""
+    """Build (once per process; the build itself is cached by torch) and return the compiled kernels module, or
+    ``None`` if it cannot be built here (the PyTorch paths are used then). The model builds it on its first CPU
+    forward (:func:`build_kernels`); :func:`built_kernel` never builds."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -348,10 +386,10 @@ def load_kernel():
                 from torch.utils.cpp_extension import load_inline
 
                 logger.info("building the bilinear CPU kernels (once; cached by torch)")
+                sources = _sources()
                 _module = load_inline(
-                    name=f"bilinear_cp_scan_{_cpu_tag()}",
-                    cpp_sources=CPP_SOURCE,
-                    functions=["forward", "backward", "small_batch_linear", "decode_block"],
+                    name=f"bilinear_cpu_kernels_{_cpu_tag(sources)}",
+                    cpp_sources=sources,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     verbose=os.environ.get("BILINEAR_LM_VERBOSE_BUILD") == "1",
@@ -362,12 +400,39 @@ def load_kernel():
     return _module
 
 
+def built_kernel():
+    """The compiled kernels module if :func:`load_kernel` has built it, else ``None`` (never builds)."""
+    return _module
+
+
+@torch.compiler.assume_constant_result
+def build_kernels() -> bool:
+    """Build the kernels (once) and say whether they are usable here. ``torch.compile`` runs this while tracing and
+    keeps its answer, so the build (its lock) is never traced."""
+    return load_kernel() is not None
+
+
 def kernel_available_for(tensor: torch.Tensor) -> bool:
-    """Whether the compiled kernel can run on this tensor (CPU, fp32/fp64) and builds on this machine."""
-    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and load_kernel() is not None
+    """Whether the compiled kernels can run on this tensor (CPU, fp32/fp64) and build on this machine."""
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and build_kernels()
 
 
 SMALL_BATCH_ROWS = 4
+
+
+class DecodeBlockWeights(NamedTuple):
+    """The weights of one block for the compiled decoding step (``decode_block``'s keyword arguments)."""
+
+    mixer_norm: torch.Tensor
+    in_proj: torch.Tensor
+    factor_bias: torch.Tensor
+    W1: torch.Tensor
+    W2: torch.Tensor
+    state_norm: torch.Tensor
+    out_proj: torch.Tensor
+    mlp_norm: torch.Tensor  # the MLP's three are empty when the block has no MLP
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
 
 
 class Linear(nn.Linear):
@@ -375,7 +440,8 @@ class Linear(nn.Linear):
 
     MKL's matrix-vector product reaches about a third of this kind of CPU's memory bandwidth, and a decode step
     is a chain of matrix-vector products, so the kernel about halves the time of a step. Anything else (training,
-    prefill, autocast, other devices) is ``F.linear``.
+    prefill, autocast, other devices, or before the model's first CPU forward has built the kernels) is
+    ``F.linear``.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -383,9 +449,11 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         rows = x.numel() // self.in_features
-        if (rows <= SMALL_BATCH_ROWS and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and kernel_available_for(x)):
-            y = load_kernel().small_batch_linear(x.reshape(rows, self.in_features).contiguous(), self.weight.contiguous())
+        kernel = built_kernel()
+        if (kernel is not None and rows <= SMALL_BATCH_ROWS and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.float64) and x.dtype == self.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            y = kernel.small_batch_linear(x.reshape(rows, self.in_features).contiguous(), self.weight.contiguous())
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight)

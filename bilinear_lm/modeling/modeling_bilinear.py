@@ -17,14 +17,15 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_bilinear import BilinearConfig
-from .cpu_kernels import SMALL_BATCH_ROWS, Linear, kernel_available_for, load_kernel
+from .cpu_kernels import Linear, build_kernels, built_kernel
+from .ops import fused_decode_weights, recurrence
 from .recurrence import (
+    CPTransition,
     block_diagonal_transition,
-    cp_recurrence,
-    cp_transition,
     diagonal_transition,
     full_transition,
-    reference_recurrence,
+    is_boundary,
+    reference_step,
     rotation_transition,
 )
 
@@ -167,7 +168,7 @@ class BilinearMixer(nn.Module):
 
     def _transition(self, dtype):
         if self.mixer_type == "cp":
-            return partial(cp_transition, W1=self.W1.to(dtype), W2=self.W2.to(dtype))
+            return CPTransition(self.W1.to(dtype), self.W2.to(dtype))
         if self.mixer_type == "full":
             return partial(full_transition, W=self.W.to(dtype))
         if self.mixer_type == "block_diagonal":
@@ -176,31 +177,46 @@ class BilinearMixer(nn.Module):
             return rotation_transition
         return diagonal_transition
 
-    def forward(self, x, state=None, mask=None, offset: int = 0):
+    def _inputs(self, x, state):
+        """``(transition, factors [B,T,N,F], gate, additive [B,T,N,H] or None, h0)``, the recurrence's in at least fp32.
+
+        Call under disabled autocast: long products of transitions need the range.
+        """
         B, T, _ = x.shape
-        N, H = self.num_heads, self.state_size
         factors, gate, additive = self.in_proj(x).split(self.split_sizes, dim=-1)
         factors = factors + self.factor_bias.to(factors.dtype)
         if self.mixer_type == "positive_diagonal":
             factors = torch.sigmoid(factors)
-        # The recurrence always runs in at least fp32 (outside autocast): long products need the range.
         dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            factors = factors.to(dtype).view(B, T, N, self.factor_size)
-            h0 = (self.h0 if state is None else state).to(dtype)
-            chunk = self.config.norm_chunk_size
-            impl = self.config.recurrence_impl
-            if self.mixer_type == "cp" and not self.config.additive_input and impl != "reference":
-                states, final = cp_recurrence(
-                    factors, self.W1.to(dtype), self.W2.to(dtype), h0, mask, chunk, offset, impl)
-            else:
-                add = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
-                states, final = reference_recurrence(self._transition(dtype), factors, h0, mask, chunk, offset, add)
-            y = self.state_norm(states).flatten(2)
-        y = y.to(x.dtype)
+        factors = factors.to(dtype).view(B, T, self.num_heads, self.factor_size)
+        additive = additive.to(dtype).view(B, T, self.num_heads, self.state_size) if self.config.additive_input \
+            else None
+        h0 = (self.h0 if state is None else state).to(dtype)
+        return self._transition(dtype), factors, gate, additive, h0
+
+    def _readout(self, states, gate, dtype):
+        y = self.state_norm(states).flatten(2).to(dtype)
         if self.config.use_gate:
             y = y * F.silu(gate)
-        return self.out_proj(y), states, final
+        return self.out_proj(y)
+
+    def forward(self, x, state=None, mask=None, offset: int = 0):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            transition, factors, gate, additive, h0 = self._inputs(x, state)
+            cfg = self.config
+            states, final = recurrence(transition, factors, h0, mask, cfg.norm_chunk_size, offset,
+                                           cfg.recurrence_impl, additive)
+        return self._readout(states, gate, x.dtype), states, final
+
+    def step(self, x, state=None, mask=None, offset: int = 0):
+        """One decoding position: ``x [B, 1, D] -> (y [B, 1, D], new_state [B, N, H])``, equal to ``forward``."""
+        chunk = self.config.norm_chunk_size
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            transition, factors, gate, additive, h0 = self._inputs(x, state)
+            h = reference_step(transition, factors[:, 0], h0.expand(x.shape[0], *h0.shape[-2:]),
+                               None if mask is None else mask[:, 0], is_boundary(chunk, offset, 0), guard=chunk > 0,
+                               additive_t=None if additive is None else additive[:, 0])
+        return self._readout(h[:, None], gate, x.dtype), h
 
 
 class BilinearMLP(nn.Module):
@@ -231,47 +247,53 @@ class BilinearBlock(GradientCheckpointingLayer):
             self.mlp = None
 
     def forward(self, hidden_states, state=None, mask=None, offset: int = 0):
-        weights = self._fused_decode_weights(hidden_states)
-        if weights is not None:
-            return self._fused_decode_step(hidden_states, weights, state, mask, offset)
+        """``(hidden [B,T,D], state, mask, offset) -> (hidden, states [B,T,N,H], final_state [B,N,H])``."""
+        if hidden_states.shape[1] == 1:
+            hidden_states, final_state = self.step(hidden_states, state, mask, offset)
+            return hidden_states, final_state[:, None], final_state
         mixed, states, final_state = self.mixer(self.mixer_norm(hidden_states), state, mask, offset)
-        hidden_states = hidden_states + mixed
-        if self.mlp is not None:
-            hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states, states, final_state
+        return self._mlp_residual(hidden_states + mixed), states, final_state
 
-    def _fused_decode_weights(self, x) -> list | None:
-        """The weights for the compiled one-call decoding step if it covers this call, else None (the modules run).
-
-        Covered: one position, at most ``SMALL_BATCH_ROWS`` rows, no gradients, no autocast, CPU fp32/fp64 with
-        every weight contiguous and in ``x``'s dtype, the CP mixer without additive input, silu MLP or none,
-        recurrence ``auto`` or ``cpp``, and the projections still this package's ``Linear`` (adapters such as LoRA
-        that replace them take the modules; forward hooks on the submodules are not run by the fused step).
-        """
-        cfg, mixer, mlp = self.mixer.config, self.mixer, self.mlp
-        if not (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
-                and cfg.mixer_type == "cp" and not cfg.additive_input and cfg.hidden_act == "silu"
-                and cfg.recurrence_impl in ("auto", "cpp") and not torch.is_autocast_enabled(x.device.type)
-                and type(mixer.in_proj) is Linear and type(mixer.out_proj) is Linear
-                and (mlp is None or type(mlp.gate_up_proj) is Linear and type(mlp.down_proj) is Linear)
-                and kernel_available_for(x)):
-            return None
-        empty = torch.empty(0, dtype=x.dtype)
-        weights = [self.mixer_norm.weight, mixer.in_proj.weight, mixer.factor_bias, mixer.W1, mixer.W2,
-                   mixer.state_norm.weight, mixer.out_proj.weight,
-                   *([self.mlp_norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight] if mlp else [empty] * 3)]
-        return weights if all(w.dtype == x.dtype and w.is_contiguous() for w in weights) else None
-
-    def _fused_decode_step(self, x, weights, state, mask, offset):
-        B, _, D = x.shape
+    def step(self, hidden_states, state=None, mask=None, offset: int = 0):
+        """One decoding position ``[B, 1, D] -> (hidden, new_state)``: one compiled call where
+        :func:`~.ops.fused_decode_weights` covers it, else the modules (``BilinearMixer.step``)."""
+        weights = fused_decode_weights(self, hidden_states)
+        if weights is None:
+            mixed, new_state = self.mixer.step(self.mixer_norm(hidden_states), state, mask, offset)
+            return self._mlp_residual(hidden_states + mixed), new_state
+        B, _, D = hidden_states.shape
         chunk = self.mixer.config.norm_chunk_size
-        h = (self.mixer.h0 if state is None else state).to(x.dtype).expand(B, *self.mixer.h0.shape).contiguous()
-        keep = torch.empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().expand(B).contiguous()
-        norm_w, *rest = weights  # both RMSNorms take config.rms_norm_eps
-        x_new, h_new = load_kernel().decode_block(
-            x.reshape(B, D).contiguous(), h, keep, chunk > 0 and (offset + 1) % chunk == 0, chunk > 0,
-            norm_w, self.mixer_norm.eps, *rest)
-        return x_new.view(B, 1, D), h_new[:, None], h_new
+        h0 = self.mixer.h0 if state is None else state
+        x_new, h_new = built_kernel().decode_block(
+            x=hidden_states.reshape(B, D).contiguous(), h=h0.to(hidden_states.dtype).expand(B, *h0.shape[-2:]).contiguous(),
+            keep=hidden_states.new_empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().contiguous(),
+            boundary=is_boundary(chunk, offset, 0), guard=chunk > 0, eps=self.mixer_norm.eps,  # both norms' eps
+            **weights._asdict())
+        return x_new.view(B, 1, D), h_new
+
+    def _mlp_residual(self, hidden_states):
+        if self.mlp is None:
+            return hidden_states
+        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+    def projections(self) -> list[nn.Module]:
+        """The block's linear projections (the fused decoding step covers only this package's ``Linear``)."""
+        mixer = [self.mixer.in_proj, self.mixer.out_proj]
+        return mixer if self.mlp is None else [*mixer, self.mlp.gate_up_proj, self.mlp.down_proj]
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise a ValueError naming the problem and the fix for empty ``input_ids`` or ids outside ``[0, vocab_size)``
+    (instead of torch's ``IndexError: index out of range in self``)."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}; "
+                         "pass at least one token per row")
+    low, high = input_ids.min().item(), input_ids.max().item()
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size}); the tokenizer does "
+                         f"not match the model: use the tokenizer saved with the checkpoint, or build the model with "
+                         f"vocab_size >= {high + 1} (e.g. len(tokenizer))")
 
 
 class BilinearPreTrainedModel(PreTrainedModel):
@@ -326,7 +348,14 @@ class BilinearModel(BilinearPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BilinearModel.forward: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            if not torch.compiler.is_compiling():  # the check reads the ids on the host: not inside a graph
+                check_input_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.shape[1] == 0:
+            raise ValueError("BilinearModel.forward: inputs_embeds has no positions (shape "
+                             f"{tuple(inputs_embeds.shape)}); pass at least one position")
+        if inputs_embeds.device.type == "cpu":
+            build_kernels()  # the one place the CPU kernels are built (once; a no-op afterwards)
         output_hidden_states = output_hidden_states if output_hidden_states is not None \
             else self.config.output_hidden_states
         if use_cache is None:

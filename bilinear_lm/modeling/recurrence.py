@@ -7,8 +7,8 @@ Every mixer runs, per head, ``h_t = A(x_t) h_{t-1}`` (plus ``b_t`` only in the a
   positions since the start of the stream), each head's state is divided by its detached norm, except at
   padded positions. Since outputs normalize each head's state, this never changes an output.
 * overflow guard: the positions are processed in those chunks; where a (row, head) state leaves
-  ``[2**-40, 2**40]`` (or turns non-finite) within a chunk, that row and head recompute the chunk normalizing
-  at every position. A fast-growing transition (or a decaying one) thus stays finite over any length, in fp32
+  ``[SAFE_MIN, SAFE_MAX] = [2**-40, 2**40]`` (or turns non-finite) within a chunk, that row and head recompute the
+  chunk normalizing at every position. A fast-growing transition (or a decaying one) thus stays finite over any length, in fp32
   as in bf16 autocast. The state is only defined up to a positive per-head factor, so this changes no output.
   (The reference checks the state ``h``, the fast paths their rank-space ``g``: in guard cases their states may
   differ by a positive factor per head.)
@@ -16,18 +16,15 @@ Every mixer runs, per head, ``h_t = A(x_t) h_{t-1}`` (plus ``b_t`` only in the a
 Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, input factors ``F``. States are ``[B, T, N, H]``,
 initial and final states ``[B, N, H]`` (an initial state ``[N, H]`` is broadcast over the batch).
 
-:func:`reference_recurrence` is the specification: a plain loop, generic over the transition, usable in fp64.
-:func:`cp_recurrence` is the fast path of the CP-factored transition ``A(x) = W1 diag(u) W2^T`` and returns
-the same states: it runs the loop in rank space (``p_t = M g_t``, ``M = W2^T W1``) inside a custom autograd
-function that builds no per-step graph and computes the gradients of ``u`` and ``M`` in bulk after its loop.
+:func:`reference_recurrence` is the specification: a plain loop, generic over the transition, usable in fp64;
+:func:`reference_step` is one step of it (decoding). The fast implementations of the CP transition (PyTorch, C++,
+Triton scans) and the one function that chooses among them live in ``ops.py``.
 """
 
-from functools import partial
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-from .cpu_kernels import kernel_available_for, load_kernel
 
 
 def cp_transition(h, u_t, W1, W2):
@@ -36,6 +33,19 @@ def cp_transition(h, u_t, W1, W2):
     # broadcast [B, N, 1, H] @ [N, H, R], which runs one vector-matrix product per row.
     p = torch.bmm(h.transpose(0, 1), W2)  # [N, B, R]
     return torch.bmm(u_t.transpose(0, 1) * p, W1.transpose(1, 2)).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class CPTransition:
+    """The CP transition with its weights bound: ``CPTransition(W1, W2)(h, u_t) = cp_transition(h, u_t, W1, W2)``.
+
+    The one transition with fast implementations (``ops.recurrence`` recognises it)."""
+
+    W1: torch.Tensor
+    W2: torch.Tensor
+
+    def __call__(self, h, u_t):
+        return cp_transition(h, u_t, self.W1, self.W2)
 
 
 def full_transition(h, u_t, W):
@@ -72,7 +82,7 @@ def diagonal_transition(h, u_t):
     return u_t * h
 
 
-def _scale_at_boundary(h, keep_t):
+def scale_at_boundary(h, keep_t):
     """The detached per-head factor that normalizes ``h`` (1 at padded rows)."""
     norm = h.detach().norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
     scale = norm.reciprocal()
@@ -81,11 +91,12 @@ def _scale_at_boundary(h, keep_t):
     return scale
 
 
-def _is_boundary(chunk: int, offset: int, t: int) -> bool:
+def is_boundary(chunk: int, offset: int, t: int) -> bool:
+    """Whether step ``t`` (position ``offset + t + 1`` of the stream) ends with a chunked normalization."""
     return chunk > 0 and (offset + t + 1) % chunk == 0
 
 
-def _segments(T: int, chunk: int, offset: int):
+def segments(T: int, chunk: int, offset: int):
     """``[t0, t1)`` ranges each ending at a normalization boundary (the last may end early)."""
     t0 = 0
     while t0 < T:
@@ -94,13 +105,13 @@ def _segments(T: int, chunk: int, offset: int):
         t0 = t1
 
 
-_SAFE_MIN, _SAFE_MAX = 2.0 ** -40, 2.0 ** 40  # squares of in-range states stay normal fp32 numbers
+SAFE_MIN, SAFE_MAX = 2.0 ** -40, 2.0 ** 40  # the guard's range; squares of in-range states stay normal fp32 numbers
 
 
-def _rows_in_safe_range(x):
-    """``[..., rows, heads]`` mask: every step of ``x`` ``[steps, ..., state]`` keeps its peak in the safe range."""
+def in_safe_range(x):
+    """``x [..., state] -> [...]`` mask: the peak ``|x_i|`` lies in ``(SAFE_MIN, SAFE_MAX)`` (NaN fails)."""
     peak = x.detach().abs().amax(dim=-1)
-    return ((peak < _SAFE_MAX) & (peak > _SAFE_MIN)).all(dim=0)  # NaN fails both comparisons
+    return (peak < SAFE_MAX) & (peak > SAFE_MIN)  # NaN fails both comparisons
 
 
 def reference_recurrence(
@@ -125,25 +136,21 @@ def reference_recurrence(
         """Steps [t0, t1); ``every_step``: ``[B, N, 1]`` rows that normalize at every step (None: none)."""
         segment, h_t = [], h
         for t in range(t0, t1):
-            h_new = transition(h_t, factors[:, t])
-            if additive is not None:
-                h_new = h_new + additive[:, t]
-            keep_t = None if mask is None else mask[:, t].bool()[:, None, None]
-            if keep_t is not None:
-                h_new = torch.where(keep_t, h_new, h_t)
-            if _is_boundary(chunk, offset, t):
-                h_new = h_new * _scale_at_boundary(h_new, keep_t)
-            elif every_step is not None:
-                h_new = h_new * torch.where(every_step, _scale_at_boundary(h_new, keep_t), 1.0)
-            h_t = h_new
+            keep_t = None if mask is None else mask[:, t].bool()
+            boundary = is_boundary(chunk, offset, t)
+            h_t = reference_step(transition, factors[:, t], h_t, keep_t, boundary, guard=False,
+                                 additive_t=None if additive is None else additive[:, t])
+            if every_step is not None and not boundary:
+                keep = None if keep_t is None else keep_t[:, None, None]
+                h_t = h_t * torch.where(every_step, scale_at_boundary(h_t, keep), 1.0)
             segment.append(h_t)
         return torch.stack(segment)
 
     states = []
-    for t0, t1 in _segments(T, chunk, offset):
+    for t0, t1 in segments(T, chunk, offset):
         segment = run(t0, t1)
         if chunk:
-            ok = _rows_in_safe_range(segment)[..., None]
+            ok = in_safe_range(segment).all(dim=0)[..., None]
             if not bool(ok.all()):  # redo rather than select: a discarded inf branch would poison gradients
                 segment = run(t0, t1, every_step=~ok)
         states.append(segment)
@@ -151,122 +158,22 @@ def reference_recurrence(
     return torch.cat(states).transpose(0, 1), h
 
 
-class _CPScan(torch.autograd.Function):
-    """Rank-space scan ``g_t = s_t u_t p_{t-1}``, ``p_t = M g_t`` (``p_t = p_{t-1}`` where padded).
+def reference_step(transition: Callable, factors_t, h, keep_t=None, boundary: bool = False, guard: bool = True,
+                   additive_t=None):
+    """One step of :func:`reference_recurrence` (decoding): ``(h [B,N,H], factors_t [B,N,F]) -> h_new [B,N,H]``.
 
-    ``p_t = W2^T h_t`` and ``h_t = W1 g_t``; ``s_t`` is the detached normalization factor (1 off boundaries).
-    Layout ``[T, N, B, R]``; ``keep``: ``[T, B]`` bool, or empty when nothing is padded. The loops run in the compiled kernel when one is
-    given, else in PyTorch (one batched matmul over heads per step). Returns all ``g_t``.
+    ``keep_t``: ``[B]`` bool or None (padded rows keep ``h``); ``boundary``: this position ends a chunk; ``guard``:
+    renormalize a (row, head) whose new state left the safe range (the loop's guard on a one-step segment; on
+    whenever ``chunk > 0``).
     """
-
-    @staticmethod
-    def forward(ctx, u, Mt, p0, keep, W1, chunk, offset, kernel):
-        scan_forward = _torch_scan_forward if kernel is None else kernel.forward
-        G, P, S = scan_forward(u, Mt, W1, keep, p0.contiguous(), chunk, offset)
-        ctx.save_for_backward(u, Mt, G, P, S, keep)
-        ctx.kernel = kernel
-        return G
-
-    @staticmethod
-    def backward(ctx, dG):
-        u, Mt, G, P, S, keep = ctx.saved_tensors
-        T = u.shape[0]
-        su = S * u
-        MtT = Mt.transpose(1, 2).contiguous()
-        DGT = torch.empty_like(u)  # total gradient of each g_t
-        DP = torch.empty_like(u)  # gradient of p_t flowing into step t's matmul (zero where padded)
-        scan_backward = _torch_scan_backward if ctx.kernel is None else ctx.kernel.backward
-        dp = scan_backward(dG.contiguous(), su, MtT, keep, DGT, DP)
-        du = S * P[:T] * DGT
-        dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
-        return du, dMt, dp, None, None, None, None, None
-
-
-def _torch_scan_forward(u, Mt, W1, keep, p0, chunk, offset):
-    """The scan's forward loop in PyTorch, same signature as the kernel's: ``(G, P, S)`` (see :class:`_CPScan`)."""
-    T = u.shape[0]
-    G = torch.empty_like(u)
-    P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
-    S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
-    P[0] = p0
-    keep4 = keep[:, None, :, None] if keep.numel() else None
-
-    def run(t0, t1, every_step, G, P, S):
-        for t in range(t0, t1):
-            g = torch.mul(u[t], P[t], out=G[t])
-            keep_t = None if keep4 is None else keep4[t]
-            if every_step or _is_boundary(chunk, offset, t):
-                S[t] = _scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
-                g.mul_(S[t])
-            torch.bmm(g, Mt, out=P[t + 1])
-            if keep_t is not None:
-                torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
-
-    for t0, t1 in _segments(T, chunk, offset):
-        run(t0, t1, False, G, P, S)
-        if chunk:
-            ok = _rows_in_safe_range(G[t0:t1])[..., None]
-            if not bool(ok.all()):  # recompute out-of-range (head, row) pairs normalizing every step
-                G2, P2, S2 = G.clone(), P.clone(), torch.ones_like(S)
-                run(t0, t1, True, G2, P2, S2)
-                for full, redo in ((G, G2), (S, S2)):
-                    full[t0:t1] = torch.where(ok, full[t0:t1], redo[t0:t1])
-                P[t0 + 1:t1 + 1] = torch.where(ok, P[t0 + 1:t1 + 1], P2[t0 + 1:t1 + 1])
-    return G, P, S
-
-
-def _torch_scan_backward(dG, su, MtT, keep, DGT, DP):
-    """The scan's backward loop in PyTorch, same signature as the kernel's: fills DGT, DP, returns dL/dp_0."""
-    keep4 = keep[:, None, :, None] if keep.numel() else None
-    dp = torch.zeros_like(su[0])
-    for t in range(su.shape[0] - 1, -1, -1):
-        if keep4 is None:
-            DP[t] = dp
-            torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
-            dp = su[t] * DGT[t]
-        else:
-            DP[t] = torch.where(keep4[t], dp, 0.0)
-            torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-            dp = su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
-    return dp
-
-
-def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto"):
-    """Fast CP-factored recurrence, equal to ``reference_recurrence(cp_transition, u, h0, ...)``.
-
-    Args:
-        u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
-        mask, chunk, offset: as in :func:`reference_recurrence`.
-        impl: ``"cpp"`` (compiled CPU kernel), ``"torch"`` (PyTorch loop, any device) or ``"auto"`` (the kernel
-            when the tensors are on the CPU and it builds here, else the PyTorch loop; the state-space loop when
-            ``rank > 2 * state``). A single step (``T == 1``, decoding) always applies the transition directly.
-    Returns:
-        ``(states [B, T, N, H], final [B, N, H])``.
-    """
-    B, T, N, R = u.shape
-    kernel = None
-    if impl in ("auto", "cpp") and kernel_available_for(u):
-        kernel = load_kernel()
-    elif impl == "cpp":
-        raise RuntimeError(
-            "recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel build; "
-            "use recurrence_impl='auto' or 'torch'"
-        )
-    # One step (decoding): the scan's setup (M, layout changes) would cost more than the step itself. And with
-    # rank > 2 * state the rank-space scans (rank^2 per step) cost more than the state-space loop (2 * rank * state).
-    if T == 1 or (impl == "auto" and R > 2 * W1.shape[1]):
-        return reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, chunk, offset)
-    h0 = h0.expand(B, N, W1.shape[1])
-    p0 = torch.einsum("nhr,bnh->nbr", W2, h0)
-    Mt = torch.einsum("nhr,nhs->nrs", W1, W2)  # M^T with M = W2^T W1
-    keep = torch.empty(0, dtype=torch.bool, device=u.device) if mask is None else mask.bool().t().contiguous()
-    G = _CPScan.apply(u.permute(1, 2, 0, 3).contiguous(), Mt.contiguous(), p0, keep, W1.detach().contiguous(),
-                      chunk, offset, kernel)
-    states = torch.einsum("nhr,tnbr->btnh", W1, G)
-    if mask is not None:
-        # A padded position keeps the last unpadded state (h0 before any): gather it.
-        positions = torch.arange(1, T + 1, device=u.device).expand(B, T)
-        last = torch.where(mask.bool(), positions, 0).cummax(dim=1).values
-        with_h0 = torch.cat([h0[:, None], states], dim=1)
-        states = with_h0.gather(1, last[:, :, None, None].expand(-1, -1, *states.shape[2:]))
-    return states, states[:, -1]
+    h_new = transition(h, factors_t)
+    if additive_t is not None:
+        h_new = h_new + additive_t
+    keep = None if keep_t is None else keep_t.bool()[:, None, None]
+    if keep is not None:
+        h_new = torch.where(keep, h_new, h)
+    if boundary:
+        return h_new * scale_at_boundary(h_new, keep)
+    if guard:
+        return h_new * torch.where(in_safe_range(h_new)[..., None], 1.0, scale_at_boundary(h_new, keep))
+    return h_new

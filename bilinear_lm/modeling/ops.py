@@ -1,0 +1,167 @@
+"""The one place that decides how a recurrence runs.
+
+* :func:`recurrence` runs a whole sequence, ``(transition, factors, h0, mask, chunk, offset) -> (states, final)``:
+  the CP transition (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other
+  transition the reference loop. :func:`resolve_impl` picks the scan: ``"cpp"`` (``cpu_kernels``, CPU fp32/fp64),
+  ``"torch"`` (``torch_scan``, any device) or ``"reference"`` (the loop itself).
+* :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
+* :func:`fused_decode_weights` decides whether a decoding step of a block runs as one compiled call.
+
+The scans are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through them.
+"""
+
+import re
+
+import torch
+
+from .configuration_bilinear import RECURRENCE_IMPLS as IMPLS
+from .cpu_kernels import SMALL_BATCH_ROWS, DecodeBlockWeights, Linear, kernel_available_for, load_kernel
+from .recurrence import CPTransition, reference_recurrence
+from .torch_scan import scan_backward as torch_scan_backward
+from .torch_scan import scan_forward as torch_scan_forward
+
+
+def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
+    """The implementation that runs the CP recurrence on ``u`` ``[B, T, N, R]``: one of ``IMPLS`` but ``"auto"``.
+
+    ``"auto"``: the C++ kernel on CPU when it builds here, else the PyTorch scan; but the reference loop for a
+    single position (the scans' setup costs more than one step) and when ``rank > 2 * state_size`` (the scans cost
+    ``rank^2`` per step, the loop ``2 * rank * state_size``).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        if u.shape[1] == 1 or u.shape[-1] > 2 * state_size:
+            return "reference"
+        return "cpp" if kernel_available_for(u) else "torch"
+    if impl == "cpp" and not kernel_available_for(u):
+        raise RuntimeError("recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel "
+                           "build; use recurrence_impl='auto' or 'torch'")
+    return impl
+
+
+def _scan_functions(impl: str):
+    """``(scan_forward, scan_backward)`` of ``impl`` (remote code can import only ``from .module import name``)."""
+    if impl == "cpp":
+        kernel = load_kernel()
+        return kernel.scan_forward, kernel.scan_backward
+    return torch_scan_forward, torch_scan_backward
+
+
+# One library per copy of this module: the package and a remote-code copy of it may be imported side by side.
+_NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::cp_scan", mutates_args=())
+def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
+            offset: int, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank-space scan ``(G, P, S)`` of ``torch_scan.scan_forward``, run by ``impl`` (``"torch"`` or ``"cpp"``)."""
+    return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset)
+
+
+@cp_scan.register_fake
+def _(u, Mt, p0, keep, W1, chunk, offset, impl):
+    T, N, B, R = u.shape
+    return torch.empty_like(u), u.new_empty(T + 1, N, B, R), u.new_empty(T, N, B, 1)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::cp_scan_backward", mutates_args=())
+def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor,
+                     impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scan's reverse loop: ``(DGT, DP, dp0)`` of ``torch_scan.scan_backward``."""
+    DGT, DP = torch.empty_like(su), torch.empty_like(su)
+    dp0 = _scan_functions(impl)[1](dG, su, MtT, keep, DGT, DP)
+    return DGT, DP, dp0
+
+
+@cp_scan_backward.register_fake
+def _(dG, su, MtT, keep, impl):
+    return torch.empty_like(su), torch.empty_like(su), su.new_empty(su.shape[1:])
+
+
+def _cp_scan_setup_context(ctx, inputs, output):
+    u, Mt, _, keep, _, _, _, impl = inputs
+    G, P, S = output
+    ctx.save_for_backward(u, Mt, keep, G, P, S)
+    ctx.impl = impl
+
+
+def _cp_scan_backward_rule(ctx, dG, dP, dS):
+    """Gradients of ``u``, ``Mt`` and ``p0`` (``P`` and ``S`` feed nothing differentiable: ``S`` is detached)."""
+    u, Mt, keep, G, P, S = ctx.saved_tensors
+    T = u.shape[0]
+    DGT, DP, dp0 = cp_scan_backward(dG.contiguous(), S * u, Mt.transpose(1, 2).contiguous(), keep, ctx.impl)
+    du = S * P[:T] * DGT
+    dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
+    return du, dMt, dp0, None, None, None, None, None
+
+
+cp_scan.register_autograd(_cp_scan_backward_rule, setup_context=_cp_scan_setup_context)
+
+
+def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto"):
+    """The CP-factored recurrence, equal to ``reference_recurrence(CPTransition(W1, W2), u, h0, ...)``.
+
+    Args:
+        u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
+        mask, chunk, offset: as in :func:`~.recurrence.reference_recurrence`.
+        impl: see :func:`resolve_impl`.
+    Returns:
+        ``(states [B, T, N, H], final [B, N, H])``.
+    """
+    impl = resolve_impl(impl, u, W1.shape[1])
+    if impl == "reference":
+        return reference_recurrence(CPTransition(W1, W2), u, h0, mask, chunk, offset)
+    B, T, N, R = u.shape
+    h0 = h0.expand(B, N, W1.shape[1])
+    p0 = torch.einsum("nhr,bnh->nbr", W2, h0).contiguous()
+    Mt = torch.einsum("nhr,nhs->nrs", W1, W2).contiguous()  # M^T with M = W2^T W1
+    keep = u.new_empty(0, dtype=torch.bool) if mask is None else mask.bool().t().contiguous()
+    G, _, _ = cp_scan(u.permute(1, 2, 0, 3).contiguous(), Mt, p0, keep, W1.detach().contiguous(), chunk, offset,
+                      impl)
+    states = torch.einsum("nhr,tnbr->btnh", W1, G)
+    if mask is not None:
+        # A padded position keeps the last unpadded state (h0 before any): gather it.
+        positions = torch.arange(1, T + 1, device=u.device).expand(B, T)
+        last = torch.where(mask.bool(), positions, 0).cummax(dim=1).values
+        with_h0 = torch.cat([h0[:, None], states], dim=1)
+        states = with_h0.gather(1, last[:, :, None, None].expand(-1, -1, *states.shape[2:]))
+    return states, states[:, -1]
+
+
+def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto",
+               additive=None):
+    """Run a mixer's recurrence over a sequence: ``(states [B, T, N, H], final [B, N, H])``.
+
+    ``transition``: a :class:`~.recurrence.CPTransition` or any ``(h, factors_t) -> A(x_t) h``; the other arguments
+    as in :func:`~.recurrence.reference_recurrence`. Only the CP transition without additive input has fast paths.
+    """
+    if isinstance(transition, CPTransition) and additive is None:
+        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl)
+    if impl not in IMPLS:
+        raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
+    return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive)
+
+
+def fused_decode_weights(block, x) -> DecodeBlockWeights | None:
+    """The weights for the compiled one-call decoding step of ``block`` on ``x`` if it covers this call, else None.
+
+    Covered: one position, at most ``SMALL_BATCH_ROWS`` rows, no gradients, no autocast, CPU fp32/fp64 with every
+    weight contiguous and in ``x``'s dtype, the CP mixer without additive input, silu MLP or none, recurrence
+    ``auto`` or ``cpp``, and the projections still this package's ``Linear`` (adapters such as LoRA that replace
+    them take the modules; forward hooks on the submodules are not run by the fused step).
+    """
+    cfg, mixer, mlp = block.mixer.config, block.mixer, block.mlp
+    if not (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
+            and cfg.mixer_type == "cp" and not cfg.additive_input and cfg.hidden_act == "silu"
+            and cfg.recurrence_impl in ("auto", "cpp") and not torch.is_autocast_enabled(x.device.type)
+            and all(type(m) is Linear for m in block.projections())
+            and kernel_available_for(x)):
+        return None
+    empty = x.new_empty(0)
+    weights = DecodeBlockWeights(
+        mixer_norm=block.mixer_norm.weight, in_proj=mixer.in_proj.weight, factor_bias=mixer.factor_bias,
+        W1=mixer.W1, W2=mixer.W2, state_norm=mixer.state_norm.weight, out_proj=mixer.out_proj.weight,
+        mlp_norm=block.mlp_norm.weight if mlp else empty, gate_up_proj=mlp.gate_up_proj.weight if mlp else empty,
+        down_proj=mlp.down_proj.weight if mlp else empty)
+    return weights if all(w.dtype == x.dtype and w.is_contiguous() for w in weights) else None
