@@ -14,11 +14,18 @@ from bilinear_lm import BilinearCache, BilinearForCausalLM
 PAD = 0
 
 
-@pytest.fixture
-def model(tiny_bilinear_config):
+@pytest.fixture(params=[0, 3], ids=["no-conv", "conv3"])
+def model(request, tiny_bilinear_config):
+    """The tiny model, and the same with a short convolution on the mixer input (random weights: at init it is the
+    identity, which would hide a wrong cache)."""
     torch.manual_seed(0)
     tiny_bilinear_config.pad_token_id = PAD
-    return BilinearForCausalLM(tiny_bilinear_config).double().eval()
+    tiny_bilinear_config.conv_width = request.param
+    model = BilinearForCausalLM(tiny_bilinear_config).double().eval()
+    for layer in model.model.layers:
+        if layer.conv is not None:
+            torch.nn.init.normal_(layer.conv.weight, std=0.5)
+    return model
 
 
 def argmax_loop(model, ids, steps):

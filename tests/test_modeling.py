@@ -146,7 +146,7 @@ def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
 
 @pytest.mark.parametrize("field,value", [
     ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
-    ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0),
+    ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0), ("conv_width", 1), ("conv_width", -3),
 ])
 def test_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -214,10 +214,11 @@ def _decode_block(config, dtype=torch.float64):
 
 
 def _fused_and_modules(block, *args):
-    expected = block(*args)  # gradients enabled: the modules
+    *expected, no_conv_state = block(*args)  # gradients enabled: the modules
     with torch.no_grad():
         assert fused_decode_weights(block, args[0]) is not None
-        fused = block(*args)
+        *fused, fused_conv_state = block(*args)
+    assert no_conv_state is None and fused_conv_state is None
     return fused, [t.detach() for t in expected]
 
 
@@ -321,3 +322,33 @@ def test_bad_input_ids_raise_a_clear_error(tiny_bilinear_config):
         model.generate(torch.tensor([[1, V + 5]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="at least one position"):
         model(inputs_embeds=torch.zeros(1, 0, tiny_bilinear_config.hidden_size))
+
+
+def test_short_conv_equals_an_explicit_causal_loop_and_starts_as_the_identity(tiny_bilinear_config):
+    from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
+
+    conv = BilinearShortConv(6, 4).double()
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    y, window = conv(x)
+    torch.testing.assert_close(y, x)  # zero weight at init: x + conv(x) = x
+    torch.testing.assert_close(window, x[:, -3:])
+    torch.nn.init.normal_(conv.weight)
+    w = conv.weight[:, 0]  # [D, width]; tap k multiplies x_{t - (width - 1) + k}
+    history = torch.randn(2, 3, 6, dtype=torch.float64)
+    y, window = conv(x, history)
+    padded = torch.cat([history, x], dim=1)
+    expected = torch.stack([x[:, t] + sum(w[:, k] * padded[:, t + k] for k in range(4)) for t in range(9)], dim=1)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(window, x[:, -3:])
+
+
+def test_zero_initialized_conv_leaves_the_model_unchanged(tiny_bilinear_config):
+    plain = build(tiny_bilinear_config, torch.float64)
+    with_conv = BilinearForCausalLM(with_changes(tiny_bilinear_config, conv_width=4)).double().eval()
+    missing, unexpected = with_conv.load_state_dict(plain.state_dict(), strict=False)
+    assert unexpected == [] and sorted(missing) == [f"model.layers.{i}.conv.weight" for i in range(2)]
+    assert all(layer.conv.weight.abs().max() == 0 for layer in with_conv.model.layers)
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(with_conv(ids).logits, plain(ids).logits, rtol=0, atol=0)
+        assert fused_decode_weights(with_conv.model.layers[0], torch.randn(1, 1, 24, dtype=torch.float64)) is None

@@ -33,6 +33,10 @@ class BilinearConfig(PreTrainedConfig):
     PyTorch scan, but the plain loop for one position and when `rank > 2 * state_size` (the scans work in rank space
     at `rank^2` per step, the loop at `2 * rank * state_size`).
 
+    `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input
+    (zero-initialized, so training starts from the model without it; `0` disables it). It leaves the recurrence
+    untouched: the cache also holds each layer's last `conv_width - 1` inputs.
+
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
 
@@ -47,6 +51,7 @@ class BilinearConfig(PreTrainedConfig):
     mixer_type: str = "cp"
     block_size: int = 2
     additive_input: bool = False
+    conv_width: int = 0
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
     use_gate: bool = True
@@ -81,6 +86,10 @@ class BilinearConfig(PreTrainedConfig):
                 f"BilinearConfig.norm_chunk_size must be an integer >= 0 (0 disables renormalization), "
                 f"got {self.norm_chunk_size!r}"
             )
+        if isinstance(self.conv_width, bool) or not isinstance(self.conv_width, int) or self.conv_width < 0 \
+                or self.conv_width == 1:
+            raise ValueError(f"BilinearConfig.conv_width must be 0 (no convolution) or an integer >= 2, "
+                             f"got {self.conv_width!r}")
         if self.mixer_type not in MIXER_TYPES:
             raise ValueError(f"BilinearConfig.mixer_type must be one of {MIXER_TYPES}, got {self.mixer_type!r}")
         if self.recurrence_impl not in RECURRENCE_IMPLS:

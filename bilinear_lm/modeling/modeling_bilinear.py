@@ -42,6 +42,7 @@ class BilinearCache:
 
     def __init__(self, num_layers: int):
         self.states: list[torch.Tensor | None] = [None] * num_layers
+        self.conv_states: list[torch.Tensor | None] = [None] * num_layers  # [batch, conv_width - 1, hidden]
         self.seen_tokens = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -50,7 +51,10 @@ class BilinearCache:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select batch rows in place (beam search)."""
-        self.states = [None if s is None else s.index_select(0, beam_idx.to(s.device)) for s in self.states]
+        def select(states):
+            return [None if s is None else s.index_select(0, beam_idx.to(s.device)) for s in states]
+
+        self.states, self.conv_states = select(self.states), select(self.conv_states)
 
     def __len__(self) -> int:
         return len(self.states)
@@ -97,6 +101,29 @@ class BilinearStateNorm(nn.Module):
     def forward(self, h):
         norm = h.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
         return h / norm * (math.sqrt(h.shape[-1]) * self.weight.to(h.dtype))
+
+
+class BilinearShortConv(nn.Module):
+    """Causal depthwise convolution with a residual, ``x + conv(x)`` (``weight`` zero at init: the identity).
+
+    ``forward(x [B,T,D], window [B,w-1,D] or None, mask) -> (y, new_window)``: ``window`` holds the last ``w - 1``
+    inputs (zeros at the start of a stream). Padded positions enter as zeros, so left padding is exact.
+    """
+
+    def __init__(self, hidden_size: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size, 1, width))
+
+    def forward(self, x, window=None, mask=None):
+        B, T, D = x.shape
+        width = self.weight.shape[-1]
+        if mask is not None:
+            x = x * mask[..., None].to(x.dtype)
+        if window is None:
+            window = x.new_zeros(B, width - 1, D)
+        full = torch.cat([window.to(x.dtype), x], dim=1)
+        y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=D).transpose(1, 2)
+        return x + y, full[:, full.shape[1] - (width - 1):]
 
 
 class BilinearMixer(nn.Module):
@@ -239,6 +266,7 @@ class BilinearBlock(GradientCheckpointingLayer):
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__()
         self.mixer_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.conv = BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None
         self.mixer = BilinearMixer(config, layer_idx)
         if config.use_mlp:
             self.mlp_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -246,30 +274,37 @@ class BilinearBlock(GradientCheckpointingLayer):
         else:
             self.mlp = None
 
-    def forward(self, hidden_states, state=None, mask=None, offset: int = 0):
-        """``(hidden [B,T,D], state, mask, offset) -> (hidden, states [B,T,N,H], final_state [B,N,H])``."""
+    def forward(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None):
+        """``(hidden [B,T,D], state, mask, offset, conv_state) -> (hidden, states [B,T,N,H], final_state [B,N,H],
+        conv_state)`` (``conv_state``: the convolution's last inputs, None without one)."""
         if hidden_states.shape[1] == 1:
-            hidden_states, final_state = self.step(hidden_states, state, mask, offset)
-            return hidden_states, final_state[:, None], final_state
-        mixed, states, final_state = self.mixer(self.mixer_norm(hidden_states), state, mask, offset)
-        return self._mlp_residual(hidden_states + mixed), states, final_state
+            hidden_states, final_state, conv_state = self.step(hidden_states, state, mask, offset, conv_state)
+            return hidden_states, final_state[:, None], final_state, conv_state
+        mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask)
+        mixed, states, final_state = self.mixer(mixer_input, state, mask, offset)
+        return self._mlp_residual(hidden_states + mixed), states, final_state, conv_state
 
-    def step(self, hidden_states, state=None, mask=None, offset: int = 0):
-        """One decoding position ``[B, 1, D] -> (hidden, new_state)``: one compiled call where
+    def step(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None):
+        """One decoding position ``[B, 1, D] -> (hidden, new_state, conv_state)``: one compiled call where
         :func:`~.ops.fused_decode_weights` covers it, else the modules (``BilinearMixer.step``)."""
         weights = fused_decode_weights(self, hidden_states)
         if weights is None:
-            mixed, new_state = self.mixer.step(self.mixer_norm(hidden_states), state, mask, offset)
-            return self._mlp_residual(hidden_states + mixed), new_state
+            mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask)
+            mixed, new_state = self.mixer.step(mixer_input, state, mask, offset)
+            return self._mlp_residual(hidden_states + mixed), new_state, conv_state
         B, _, D = hidden_states.shape
         chunk = self.mixer.config.norm_chunk_size
-        h0 = self.mixer.h0 if state is None else state
+        h0 = (self.mixer.h0 if state is None else state).to(hidden_states.dtype)
         x_new, h_new = built_kernel().decode_block(
-            x=hidden_states.reshape(B, D).contiguous(), h=h0.to(hidden_states.dtype).expand(B, *h0.shape[-2:]).contiguous(),
+            x=hidden_states.reshape(B, D).contiguous(), h=h0.expand(B, *h0.shape[-2:]).contiguous(),
             keep=hidden_states.new_empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().contiguous(),
             boundary=is_boundary(chunk, offset, 0), guard=chunk > 0, eps=self.mixer_norm.eps,  # both norms' eps
             **weights._asdict())
-        return x_new.view(B, 1, D), h_new
+        return x_new.view(B, 1, D), h_new, None
+
+    def _mixer_input(self, hidden_states, conv_state, mask):
+        x = self.mixer_norm(hidden_states)
+        return (x, None) if self.conv is None else self.conv(x, conv_state, mask)
 
     def _mlp_residual(self, hidden_states):
         if self.mlp is None:
@@ -311,6 +346,8 @@ class BilinearPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, BilinearMixer):
             module.reset_parameters()
+        elif isinstance(module, BilinearShortConv):
+            init.zeros_(module.weight)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -375,12 +412,13 @@ class BilinearModel(BilinearPreTrainedModel):
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_mixer_states = () if output_mixer_states else None
         for i, layer in enumerate(self.layers):
-            state = past_key_values.states[i] if past_key_values is not None else None
-            hidden_states, states, final_state = layer(hidden_states, state, mask, offset)
+            state, conv_state = (None, None) if past_key_values is None else \
+                (past_key_values.states[i], past_key_values.conv_states[i])
+            hidden_states, states, final_state, conv_state = layer(hidden_states, state, mask, offset, conv_state)
             if output_mixer_states:
                 all_mixer_states += (states,)
             if past_key_values is not None:
-                past_key_values.states[i] = final_state
+                past_key_values.states[i], past_key_values.conv_states[i] = final_state, conv_state
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
