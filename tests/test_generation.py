@@ -14,13 +14,15 @@ from bilinear_lm import BilinearCache, BilinearForCausalLM
 PAD = 0
 
 
-@pytest.fixture(params=[0, 3], ids=["no-conv", "conv3"])
+@pytest.fixture(params=[{}, {"conv_width": 3}, {"write_channel": True, "gate_activation": "sigmoid"}],
+                ids=["pure", "conv3", "write-channel"])
 def model(request, tiny_bilinear_config):
-    """The tiny model, and the same with a short convolution on the mixer input (random weights: at init it is the
-    identity, which would hide a wrong cache)."""
+    """The tiny model, and the same with the ablations that add cached state (the convolution gets random weights:
+    at init it is the identity, which would hide a wrong cache)."""
     torch.manual_seed(0)
     tiny_bilinear_config.pad_token_id = PAD
-    tiny_bilinear_config.conv_width = request.param
+    for key, value in request.param.items():
+        setattr(tiny_bilinear_config, key, value)
     model = BilinearForCausalLM(tiny_bilinear_config).double().eval()
     for layer in model.model.layers:
         if layer.conv is not None:

@@ -26,11 +26,14 @@ def test_auto_classes_are_registered(tiny_bilinear_config):
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied by default
 
 
-def test_chunked_normalization_does_not_change_logits(tiny_bilinear_config):
+@pytest.mark.parametrize("write_channel", [False, True])
+def test_chunked_normalization_does_not_change_logits(tiny_bilinear_config, write_channel):
+    """Exact scale invariance, also with the write channel: ``[h; c]`` is normalized together."""
     ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 40))
     logits = {}
     for chunk in (0, 1, 7):
-        model = build(with_changes(tiny_bilinear_config, norm_chunk_size=chunk), torch.float64)
+        model = build(with_changes(tiny_bilinear_config, norm_chunk_size=chunk, write_channel=write_channel),
+                      torch.float64)
         with torch.no_grad():
             logits[chunk] = model(ids).logits
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
@@ -147,6 +150,7 @@ def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
     ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0), ("conv_width", 1), ("conv_width", -3),
+    ("gate_activation", "tanh"),
 ])
 def test_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -154,6 +158,8 @@ def test_config_rejects_nonsense_naming_the_field(field, value):
 
 
 def test_config_rejects_incompatible_block_sizes():
+    with pytest.raises(ValueError, match="write_channel needs mixer_type='cp'"):
+        BilinearConfig(mixer_type="full", write_channel=True)
     with pytest.raises(ValueError, match="block_size"):
         BilinearConfig(mixer_type="block_diagonal", state_size=10, block_size=3)
     with pytest.raises(ValueError, match="even"):

@@ -191,3 +191,27 @@ def test_compiled_kernel_and_torch_scan_agree_exactly_in_fp64():
     mask = random_mask(B, T)
     outs = [cp_recurrence(u, W1, W2, h0, mask, 16, 3, impl)[0] for impl in IMPLS]
     assert relative_error(outs[1], outs[0]) < 1e-13
+
+
+def test_write_channel_follows_its_block_transition_matrices():
+    """``[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly from the mixer's parameters."""
+    cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=4, rank=3, norm_chunk_size=3,
+                         write_channel=True, input_factor_init_std=0.5)
+    mixer = BilinearMixer(cfg, 0)
+    mixer.reset_parameters()
+    mixer.double()
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    mask = random_mask(2, 7)
+    N, H, R = 2, 4, 3
+    with torch.no_grad():
+        _, states, final = mixer(x, mask=mask, offset=1)
+        u, _, _, write = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
+        u = (u + mixer.factor_bias).view(2, 7, N, R)
+        write = write.view(2, 7, N, H + 1)
+        A = torch.zeros(2, 7, N, H + 1, H + 1, dtype=torch.float64)
+        A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.W1, u, mixer.W2)
+        A[..., :H, H] = write[..., :H]
+        A[..., H, H] = write[..., H].exp()
+        expected = explicit_matrix_loop(A, torch.cat([mixer.h0, mixer.c0], -1), mask, 3, 1)
+    torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)

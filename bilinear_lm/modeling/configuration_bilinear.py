@@ -4,6 +4,7 @@ from transformers import PreTrainedConfig
 
 MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
 ACTIVATIONS = ("silu", "gelu", "relu")
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 RECURRENCE_IMPLS = ("auto", "cpp", "torch", "reference")
 
 
@@ -37,6 +38,11 @@ class BilinearConfig(PreTrainedConfig):
     (zero-initialized, so training starts from the model without it; `0` disables it). It leaves the recurrence
     untouched: the cache also holds each layer's last `conv_width - 1` inputs.
 
+    `write_channel=True` (CP only) gives each head one more state coordinate `c` with
+    `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
+    with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
+    `gate_activation` is the readout gate's activation (`silu` or `sigmoid`).
+
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
 
@@ -52,6 +58,8 @@ class BilinearConfig(PreTrainedConfig):
     block_size: int = 2
     additive_input: bool = False
     conv_width: int = 0
+    write_channel: bool = False
+    gate_activation: str = "silu"
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
     use_gate: bool = True
@@ -96,6 +104,13 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError(
                 f"BilinearConfig.recurrence_impl must be one of {RECURRENCE_IMPLS}, got {self.recurrence_impl!r}"
             )
+        if self.gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"BilinearConfig.gate_activation must be one of {GATE_ACTIVATIONS}, "
+                             f"got {self.gate_activation!r}")
+        if self.write_channel and (self.mixer_type != "cp" or self.additive_input):
+            raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' without additive_input (it is a CP "
+                             f"transition on [h; c]); got mixer_type={self.mixer_type!r}, "
+                             f"additive_input={self.additive_input}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BilinearConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:

@@ -29,7 +29,23 @@ from .recurrence import (
     rotation_transition,
 )
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid}
+
+
+def write_channel_weights(W1, W2):
+    """CP weights ``[N, H+1, R+H+1]`` of the write-channel transition ``[[A(x), b(x)], [0, gamma(x)]]`` on ``[h; c]``.
+
+    With factors ``[u | b | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + b c; gamma c]``. The update stays
+    linear and homogeneous in ``[h; c]`` (so chunked normalization of both together stays exact) and runs on every
+    CP path, yet ``b(x) c`` writes like an additive input, forgotten at a rate set by ``gamma`` relative to ``A``.
+    """
+    N, H, R = W1.shape
+    eye, zeros = torch.eye(H, dtype=W1.dtype, device=W1.device).expand(N, H, H), W1.new_zeros(N, H, H + 1)
+    top1 = torch.cat([W1, eye, W1.new_zeros(N, H, 1)], dim=-1)
+    bottom1 = torch.cat([W1.new_zeros(N, 1, R + H), W1.new_ones(N, 1, 1)], dim=-1)
+    top2 = torch.cat([W2, zeros], dim=-1)
+    bottom2 = torch.cat([W2.new_zeros(N, 1, R), W2.new_ones(N, 1, H + 1)], dim=-1)
+    return torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1)
 
 
 class BilinearCache:
@@ -141,10 +157,13 @@ class BilinearMixer(nn.Module):
         self.num_heads, self.state_size = N, H
         self.mixer_type = config.mixer_type
         self.factor_size = R if config.mixer_type in ("cp", "full", "block_diagonal") else H
-        # One fused input projection: [input factors | output gate | additive input].
-        self.split_sizes = [N * self.factor_size, N * H if config.use_gate else 0, N * H if config.additive_input else 0]
+        # One fused input projection: [input factors | output gate | additive input | write channel (b, log gamma)].
+        self.split_sizes = [N * self.factor_size, N * H if config.use_gate else 0, N * H if config.additive_input else 0,
+                            N * (H + 1) if config.write_channel else 0]
         self.in_proj = Linear(config.hidden_size, sum(self.split_sizes))
         self.factor_bias = nn.Parameter(torch.zeros(N * self.factor_size))
+        if config.write_channel:
+            self.c0 = nn.Parameter(torch.empty(N, 1))  # the write channel's initial coordinate
         if config.mixer_type == "cp":
             self.W1 = nn.Parameter(torch.empty(N, H, R))
             self.W2 = nn.Parameter(torch.empty(N, H, R))
@@ -191,11 +210,14 @@ class BilinearMixer(nn.Module):
         h0 = torch.randn(N, H)
         init.copy_(self.h0, h0 / h0.norm(dim=-1, keepdim=True))
         init.ones_(self.state_norm.weight)
+        if cfg.write_channel:  # writes start at the input-projection scale, gamma(x) = exp(small) ~ 1
+            init.ones_(self.c0)
         init.normal_(self.out_proj.weight, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
 
     def _transition(self, dtype):
         if self.mixer_type == "cp":
-            return CPTransition(self.W1.to(dtype), self.W2.to(dtype))
+            W1, W2 = self.W1.to(dtype), self.W2.to(dtype)
+            return CPTransition(*write_channel_weights(W1, W2)) if self.config.write_channel else CPTransition(W1, W2)
         if self.mixer_type == "full":
             return partial(full_transition, W=self.W.to(dtype))
         if self.mixer_type == "block_diagonal":
@@ -210,21 +232,28 @@ class BilinearMixer(nn.Module):
         Call under disabled autocast: long products of transitions need the range.
         """
         B, T, _ = x.shape
-        factors, gate, additive = self.in_proj(x).split(self.split_sizes, dim=-1)
+        N, H = self.num_heads, self.state_size
+        factors, gate, additive, write = self.in_proj(x).split(self.split_sizes, dim=-1)
         factors = factors + self.factor_bias.to(factors.dtype)
         if self.mixer_type == "positive_diagonal":
             factors = torch.sigmoid(factors)
         dtype = torch.promote_types(x.dtype, torch.float32)
-        factors = factors.to(dtype).view(B, T, self.num_heads, self.factor_size)
-        additive = additive.to(dtype).view(B, T, self.num_heads, self.state_size) if self.config.additive_input \
-            else None
-        h0 = (self.h0 if state is None else state).to(dtype)
+        factors = factors.to(dtype).view(B, T, N, self.factor_size)
+        additive = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
+        h0 = self.h0
+        if self.config.write_channel:  # factors [u | b | gamma], state [h | c]
+            write = write.to(dtype).view(B, T, N, H + 1)
+            factors = torch.cat([factors, write[..., :H], write[..., H:].exp()], dim=-1)
+            h0 = torch.cat([self.h0, self.c0], dim=-1)
+        h0 = (h0 if state is None else state).to(dtype)
         return self._transition(dtype), factors, gate, additive, h0
 
     def _readout(self, states, gate, dtype):
-        y = self.state_norm(states).flatten(2).to(dtype)
+        """``Wo(StateNorm(h) * act(gate))``; with the write channel ``h`` is the state without its last coordinate
+        (the normalized output is invariant to the scale of ``[h; c]`` together)."""
+        y = self.state_norm(states[..., :self.state_size]).flatten(2).to(dtype)
         if self.config.use_gate:
-            y = y * F.silu(gate)
+            y = y * _ACTIVATIONS[self.config.gate_activation](gate)
         return self.out_proj(y)
 
     def forward(self, x, state=None, mask=None, offset: int = 0):

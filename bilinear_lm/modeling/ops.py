@@ -147,13 +147,14 @@ def fused_decode_weights(block, x) -> DecodeBlockWeights | None:
     """The weights for the compiled one-call decoding step of ``block`` on ``x`` if it covers this call, else None.
 
     Covered: one position, at most ``SMALL_BATCH_ROWS`` rows, no gradients, no autocast, CPU fp32/fp64 with every
-    weight contiguous and in ``x``'s dtype, the CP mixer without additive input or convolution, silu MLP or none,
-    recurrence ``auto`` or ``cpp``, and the projections still this package's ``Linear`` (adapters such as LoRA that replace
+    weight contiguous and in ``x``'s dtype, the CP mixer without additive input, convolution or write channel, silu
+    gate, silu MLP or none, recurrence ``auto`` or ``cpp``, and the projections still this package's ``Linear`` (adapters such as LoRA that replace
     them take the modules; forward hooks on the submodules are not run by the fused step).
     """
     cfg, mixer, mlp = block.mixer.config, block.mixer, block.mlp
     if not (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
-            and cfg.mixer_type == "cp" and not cfg.additive_input and not cfg.conv_width and cfg.hidden_act == "silu"
+            and cfg.mixer_type == "cp" and not (cfg.additive_input or cfg.conv_width or cfg.write_channel)
+            and cfg.hidden_act == "silu" and cfg.gate_activation == "silu"
             and cfg.recurrence_impl in ("auto", "cpp") and not torch.is_autocast_enabled(x.device.type)
             and all(type(m) is Linear for m in block.projections())
             and kernel_available_for(x)):
