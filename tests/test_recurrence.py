@@ -215,3 +215,36 @@ def test_write_channel_follows_its_block_transition_matrices():
         expected = explicit_matrix_loop(A, torch.cat([mixer.h0, mixer.c0], -1), mask, 3, 1)
     torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_reset_equals_running_the_documents_separately(impl):
+    """Document boundaries: at a reset the step starts from ``h_start``. Each document run alone from ``h_start`` (the
+    first from ``h0``) must give the same states up to the per-head scale, and every gradient (``h_start`` included)
+    must match the reference loop's."""
+    B, T, N, H, R = 3, 40, 2, 5, 6
+    u, W1, W2, h0 = make_inputs(B, T, N, H, R, torch.float64)
+    h_start = torch.randn(N, H, dtype=torch.float64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[0, [5, 6, 30]] = True  # two documents in a row, one of length 1
+    reset[2, [0, 17]] = True  # a reset at the first position
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :9] = 0  # left padding, no reset
+    states, final = cp_recurrence(u, W1, W2, h0, mask, 16, 3, impl, reset=reset, h_start=h_start)
+    unit = lambda s: s / s.norm(dim=-1, keepdim=True)
+    with torch.no_grad():
+        for b in range(B):
+            starts = [0, *[t for t in range(T) if reset[b, t] and t > 0], T]
+            for t0, t1 in zip(starts[:-1], starts[1:]):
+                first = h_start if reset[b, t0] else h0
+                alone, _ = reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u[b:b + 1, t0:t1], first,
+                                                mask[b:b + 1, t0:t1], 16, 3 + t0)
+                torch.testing.assert_close(unit(states[b:b + 1, t0:t1]), unit(alone), rtol=1e-10, atol=1e-12)
+    ref_states, ref_final = reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, 16, 3,
+                                                 reset=reset, h_start=h_start)
+    weights = torch.randn_like(ref_states)
+    inputs = [u, W1, W2, h0, h_start]
+    grads = [torch.autograd.grad((s * weights).sum() + f.sum(), inputs) for s, f in
+             ((ref_states, ref_final), (states, final))]
+    for name, gr, gf in zip(["u", "W1", "W2", "h0", "h_start"], *grads):
+        assert relative_error(gf, gr) < 1e-10, name

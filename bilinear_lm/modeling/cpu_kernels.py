@@ -53,15 +53,16 @@ scalar_t clamped_norm(const scalar_t* v, int64_t n) {
 }
 """
 
-# The CP rank-space scan: the C++ twin of torch_scan.forward/backward.
+# The CP rank-space scan: the C++ twin of torch_scan.scan_forward/scan_backward.
 SCAN_SOURCE = r"""
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
-// keep: [T, B] bool or empty (no padding). Each (head, row) runs its whole sequence in one thread, chunk by
-// chunk; a chunk whose peak |g| leaves [2^-40, 2^40] is recomputed for that (head, row) normalizing every step.
+// keep, restart: [T, B] bool or empty; p_start: [N, R]. Each (head, row) runs its whole sequence in one thread,
+// chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed for that (head, row) normalizing
+// every step. A restart step reads p_start instead of the previous p (P holds each step's input).
 template <typename scalar_t>
 struct RowScan {
-  const scalar_t* u; const scalar_t* M; const scalar_t* W; const bool* keep;
-  scalar_t* P; scalar_t* G; scalar_t* S;
+  const scalar_t* u; const scalar_t* M; const scalar_t* W; const bool* keep; const bool* restart;
+  const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
   int64_t N, B, R, H, n, b, chunk, offset;
 
   // Steps [t0, t1); returns whether every step's peak |g| stayed in the safe range.
@@ -71,7 +72,9 @@ struct RowScan {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t row = (t * N + n) * B + b;
       const scalar_t* __restrict__ ut = u + row * R;
-      const scalar_t* __restrict__ pt = P + row * R;
+      scalar_t* __restrict__ pt = P + row * R;
+      if (restart && restart[t * B + b])
+        for (int64_t r = 0; r < R; ++r) pt[r] = p_start[r];
       scalar_t* __restrict__ pn = P + (row + N * B) * R;
       scalar_t* __restrict__ g = G + row * R;
       const bool keep_t = keep ? keep[t * B + b] : true;
@@ -105,7 +108,8 @@ struct RowScan {
 };
 
 std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
-                                   torch::Tensor p0, int64_t chunk, int64_t offset) {
+                                        torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
+                                        torch::Tensor p_start) {
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
   auto G = torch::empty_like(u);
   auto P = torch::empty({T + 1, N, B, R}, u.options());
@@ -113,11 +117,13 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
   P[0].copy_(p0);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
     const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+    const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
     at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
       for (int64_t nb = begin; nb < end; ++nb) {
         const int64_t n = nb / B, b = nb % B;
         RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
-                               W1.data_ptr<scalar_t>() + n * H * R, kp, P.data_ptr<scalar_t>(),
+                               W1.data_ptr<scalar_t>() + n * H * R, kp, rp,
+                               rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr, P.data_ptr<scalar_t>(),
                                G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset};
         for (int64_t t0 = 0; t0 < T;) {
           const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
@@ -131,15 +137,18 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
 }
 
 // Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and
-// DP (grad of p_t entering step t's matmul, zero where padded); returns the grad of p_0: [N, B, R].
+// DP (grad of p_t entering step t's matmul, zero where padded), and the grads of p_0 and of p_start per row.
 template <typename scalar_t>
 void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const torch::Tensor& MtT,
-                     const torch::Tensor& keep, torch::Tensor& DGT, torch::Tensor& DP, torch::Tensor& dp0) {
+                     const torch::Tensor& keep, const torch::Tensor& restart, torch::Tensor& DGT, torch::Tensor& DP,
+                     torch::Tensor& dp0, torch::Tensor& dp_start) {
   const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
   const scalar_t* dgp = dG.data_ptr<scalar_t>();
   const scalar_t* sup = su.data_ptr<scalar_t>();
   const scalar_t* mp = MtT.data_ptr<scalar_t>();
   const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+  const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
+  scalar_t* dsp = dp_start.data_ptr<scalar_t>();
   scalar_t* dgtp = DGT.data_ptr<scalar_t>();
   scalar_t* dpp = DP.data_ptr<scalar_t>();
   scalar_t* outp = dp0.data_ptr<scalar_t>();
@@ -148,7 +157,9 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n = nb / B, b = nb % B;
       const scalar_t* M = mp + n * R * R;
+      scalar_t* ds = dsp + (n * B + b) * R;
       std::fill(dp.begin(), dp.end(), scalar_t(0));
+      std::fill(ds, ds + R, scalar_t(0));
       for (int64_t t = T - 1; t >= 0; --t) {
         const int64_t row = (t * N + n) * B + b;
         const bool keep_t = kp ? kp[t * B + b] : true;
@@ -167,6 +178,9 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
         } else {
           for (int64_t r = 0; r < R; ++r) dp[r] += sut[r] * dgt[r];
         }
+        if (rp && rp[t * B + b]) {  // this step's input was p_start, not the previous step's output
+          for (int64_t r = 0; r < R; ++r) { ds[r] += dp[r]; dp[r] = 0; }
+        }
       }
       scalar_t* out = outp + (n * B + b) * R;
       for (int64_t r = 0; r < R; ++r) out[r] = dp[r];
@@ -174,13 +188,14 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
   });
 }
 
-torch::Tensor scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
-                       torch::Tensor DGT, torch::Tensor DP) {
+std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
+                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP) {
   auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
+  auto dp_start = torch::empty_like(dp0);
   AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
-    backward_kernel<scalar_t>(dG, su, MtT, keep, DGT, DP, dp0);
+    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, DGT, DP, dp0, dp_start);
   });
-  return dp0;
+  return {dp0, dp_start};
 }
 """
 
@@ -342,8 +357,9 @@ BINDINGS_SOURCE = r"""
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   m.def("scan_forward", &scan_forward, arg("u"), arg("Mt"), arg("W1"), arg("keep"), arg("p0"), arg("chunk"),
-        arg("offset"));
-  m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("DGT"), arg("DP"));
+        arg("offset"), arg("restart"), arg("p_start"));
+  m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("restart"), arg("DGT"),
+        arg("DP"));
   m.def("small_batch_linear", &small_batch_linear, arg("x"), arg("W"));
   m.def("decode_block", &decode_block, arg("x"), arg("h"), arg("keep"), arg("boundary"), arg("guard"), arg("eps"),
         arg("mixer_norm"), arg("in_proj"), arg("factor_bias"), arg("W1"), arg("W2"), arg("state_norm"),

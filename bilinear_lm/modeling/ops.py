@@ -54,71 +54,78 @@ _NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan", mutates_args=())
 def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
-            offset: int, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            offset: int, restart: torch.Tensor, p_start: torch.Tensor,
+            impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rank-space scan ``(G, P, S)`` of ``torch_scan.scan_forward``, run by ``impl`` (``"torch"`` or ``"cpp"``)."""
-    return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset)
+    return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
 
 
 @cp_scan.register_fake
-def _(u, Mt, p0, keep, W1, chunk, offset, impl):
+def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, impl):
     T, N, B, R = u.shape
     return torch.empty_like(u), u.new_empty(T + 1, N, B, R), u.new_empty(T, N, B, 1)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan_backward", mutates_args=())
-def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor,
-                     impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan's reverse loop: ``(DGT, DP, dp0)`` of ``torch_scan.scan_backward``."""
+def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
+                     impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scan's reverse loop: ``(DGT, DP, dp0, dp_start)`` of ``torch_scan.scan_backward``."""
     DGT, DP = torch.empty_like(su), torch.empty_like(su)
-    dp0 = _scan_functions(impl)[1](dG, su, MtT, keep, DGT, DP)
-    return DGT, DP, dp0
+    dp0, dp_start = _scan_functions(impl)[1](dG, su, MtT, keep, restart, DGT, DP)
+    return DGT, DP, dp0, dp_start
 
 
 @cp_scan_backward.register_fake
-def _(dG, su, MtT, keep, impl):
-    return torch.empty_like(su), torch.empty_like(su), su.new_empty(su.shape[1:])
+def _(dG, su, MtT, keep, restart, impl):
+    return torch.empty_like(su), torch.empty_like(su), su.new_empty(su.shape[1:]), su.new_empty(su.shape[1:])
 
 
 def _cp_scan_setup_context(ctx, inputs, output):
-    u, Mt, _, keep, _, _, _, impl = inputs
+    u, Mt, _, keep, _, _, _, restart, _, impl = inputs
     G, P, S = output
-    ctx.save_for_backward(u, Mt, keep, G, P, S)
+    ctx.save_for_backward(u, Mt, keep, restart, G, P, S)
     ctx.impl = impl
 
 
 def _cp_scan_backward_rule(ctx, dG, dP, dS):
-    """Gradients of ``u``, ``Mt`` and ``p0`` (``P`` and ``S`` feed nothing differentiable: ``S`` is detached)."""
-    u, Mt, keep, G, P, S = ctx.saved_tensors
+    """Gradients of ``u``, ``Mt``, ``p0`` and ``p_start`` (``P`` and ``S`` feed nothing differentiable)."""
+    u, Mt, keep, restart, G, P, S = ctx.saved_tensors
     T = u.shape[0]
-    DGT, DP, dp0 = cp_scan_backward(dG.contiguous(), S * u, Mt.transpose(1, 2).contiguous(), keep, ctx.impl)
-    du = S * P[:T] * DGT
+    DGT, DP, dp0, dp_start = cp_scan_backward(dG.contiguous(), S * u, Mt.transpose(1, 2).contiguous(), keep,
+                                              restart, ctx.impl)
+    du = S * P[:T] * DGT  # P[t] is step t's input: p_start at a restart
     dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
-    return du, dMt, dp0, None, None, None, None, None
+    return du, dMt, dp0, None, None, None, None, None, dp_start.sum(1) if restart.numel() else None, None
 
 
 cp_scan.register_autograd(_cp_scan_backward_rule, setup_context=_cp_scan_setup_context)
 
 
-def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto"):
+def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto", reset=None,
+                  h_start=None):
     """The CP-factored recurrence, equal to ``reference_recurrence(CPTransition(W1, W2), u, h0, ...)``.
 
     Args:
         u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
-        mask, chunk, offset: as in :func:`~.recurrence.reference_recurrence`.
+        mask, chunk, offset, reset, h_start: as in :func:`~.recurrence.reference_recurrence`.
         impl: see :func:`resolve_impl`.
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
     """
     impl = resolve_impl(impl, u, W1.shape[1])
     if impl == "reference":
-        return reference_recurrence(CPTransition(W1, W2), u, h0, mask, chunk, offset)
+        return reference_recurrence(CPTransition(W1, W2), u, h0, mask, chunk, offset, reset=reset, h_start=h_start)
     B, T, N, R = u.shape
     h0 = h0.expand(B, N, W1.shape[1])
     p0 = torch.einsum("nhr,bnh->nbr", W2, h0).contiguous()
     Mt = torch.einsum("nhr,nhs->nrs", W1, W2).contiguous()  # M^T with M = W2^T W1
     keep = u.new_empty(0, dtype=torch.bool) if mask is None else mask.bool().t().contiguous()
+    restart, p_start = u.new_empty(0, dtype=torch.bool), u.new_empty(0)
+    if reset is not None:
+        restart = (reset.bool() if mask is None else reset.bool() & mask.bool()).t().contiguous()
+        p_start = torch.einsum("nhr,nh->nr", W2, h_start).contiguous()
     G, _, _ = cp_scan(u.permute(1, 2, 0, 3).contiguous(), Mt, p0, keep, W1.detach().contiguous(), chunk, offset,
-                      impl)
+                      restart, p_start, impl)
     states = torch.einsum("nhr,tnbr->btnh", W1, G)
     if mask is not None:
         # A padded position keeps the last unpadded state (h0 before any): gather it.
@@ -130,17 +137,17 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
 
 
 def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto",
-               additive=None):
+               additive=None, reset=None, h_start=None):
     """Run a mixer's recurrence over a sequence: ``(states [B, T, N, H], final [B, N, H])``.
 
     ``transition``: a :class:`~.recurrence.CPTransition` or any ``(h, factors_t) -> A(x_t) h``; the other arguments
     as in :func:`~.recurrence.reference_recurrence`. Only the CP transition without additive input has fast paths.
     """
     if isinstance(transition, CPTransition) and additive is None:
-        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl)
+        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)
     if impl not in IMPLS:
         raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
-    return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive)
+    return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive, reset, h_start)
 
 
 def fused_decode_weights(block, x) -> DecodeBlockWeights | None:

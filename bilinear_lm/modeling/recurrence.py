@@ -115,7 +115,8 @@ def in_safe_range(x):
 
 
 def reference_recurrence(
-    transition: Callable, factors, h0, mask=None, chunk: int = 64, offset: int = 0, additive=None
+    transition: Callable, factors, h0, mask=None, chunk: int = 64, offset: int = 0, additive=None, reset=None,
+    h_start=None,
 ):
     """Reference loop: ``h_t = transition(h_{t-1}, factors[:, t]) (+ additive[:, t])``.
 
@@ -126,6 +127,7 @@ def reference_recurrence(
         mask: optional ``[B, T]``; 0 marks padding (state kept).
         chunk: normalization interval (0: never). offset: positions already consumed before ``factors``.
         additive: optional ``[B, T, N, H]`` additive input (the paper's ablation).
+        reset: optional ``[B, T]`` bool; where set (and not padded), the step starts from ``h_start`` ``[N, H]``.
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
     """
@@ -139,7 +141,8 @@ def reference_recurrence(
             keep_t = None if mask is None else mask[:, t].bool()
             boundary = is_boundary(chunk, offset, t)
             h_t = reference_step(transition, factors[:, t], h_t, keep_t, boundary, guard=False,
-                                 additive_t=None if additive is None else additive[:, t])
+                                 additive_t=None if additive is None else additive[:, t],
+                                 reset_t=None if reset is None else reset[:, t], h_start=h_start)
             if every_step is not None and not boundary:
                 keep = None if keep_t is None else keep_t[:, None, None]
                 h_t = h_t * torch.where(every_step, scale_at_boundary(h_t, keep), 1.0)
@@ -159,17 +162,21 @@ def reference_recurrence(
 
 
 def reference_step(transition: Callable, factors_t, h, keep_t=None, boundary: bool = False, guard: bool = True,
-                   additive_t=None):
+                   additive_t=None, reset_t=None, h_start=None):
     """One step of :func:`reference_recurrence` (decoding): ``(h [B,N,H], factors_t [B,N,F]) -> h_new [B,N,H]``.
 
     ``keep_t``: ``[B]`` bool or None (padded rows keep ``h``); ``boundary``: this position ends a chunk; ``guard``:
     renormalize a (row, head) whose new state left the safe range (the loop's guard on a one-step segment; on
-    whenever ``chunk > 0``).
+    whenever ``chunk > 0``); ``reset_t``: ``[B]`` bool or None, rows that start from ``h_start`` (unless padded).
     """
-    h_new = transition(h, factors_t)
+    keep = None if keep_t is None else keep_t.bool()[:, None, None]
+    h_prev = h
+    if reset_t is not None:
+        restart = reset_t.bool()[:, None, None] if keep is None else reset_t.bool()[:, None, None] & keep
+        h_prev = torch.where(restart, h_start.to(h.dtype), h)
+    h_new = transition(h_prev, factors_t)
     if additive_t is not None:
         h_new = h_new + additive_t
-    keep = None if keep_t is None else keep_t.bool()[:, None, None]
     if keep is not None:
         h_new = torch.where(keep, h_new, h)
     if boundary:

@@ -3,14 +3,18 @@
 The same two entry points as the C++ kernel (``cpu_kernels``) and the Triton kernel (``triton_scan``), which compute
 exactly this (tested against it and against the reference loop). Layout ``[T, N, B, R]`` (time, heads, batch, rank):
 
-* ``scan_forward(u, Mt, W1, keep, p0, chunk, offset) -> (G, P, S)`` runs ``g_t = s_t u_t p_{t-1}``, ``p_t = g_t Mt``
-  (``p_t = p_{t-1}`` where padded), with ``Mt = (W2^T W1)^T``, ``p_t = W2^T h_t`` and ``h_t = W1 g_t``. ``s_t`` is the
-  detached factor that normalizes ``h_t`` at chunk boundaries (1 elsewhere); a segment whose ``g`` leaves the safe
-  range is recomputed for those (head, row) pairs normalizing every step. ``keep``: ``[T, B]`` bool, or empty when
-  nothing is padded. Returns every ``g_t`` ``[T,N,B,R]``, ``p_0..p_T`` ``[T+1,N,B,R]`` and ``s_t`` ``[T,N,B,1]``.
-* ``scan_backward(dG, su, MtT, keep, DGT, DP) -> dp0``: the reverse loop, given ``dL/dg_t`` and ``su = S * u``; fills
-  ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t`` entering step ``t``'s matmul, zero where
-  padded) and returns ``dL/dp_0``. The gradients of ``u`` and ``Mt`` follow from them in bulk (``ops``).
+* ``scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start) -> (G, P, S)`` runs
+  ``g_t = s_t u_t p_{t-1}``, ``p_t = g_t Mt`` (``p_t = p_{t-1}`` where padded), with ``Mt = (W2^T W1)^T``,
+  ``p_t = W2^T h_t`` and ``h_t = W1 g_t``. ``s_t`` is the detached factor that normalizes ``h_t`` at chunk boundaries
+  (1 elsewhere); a segment whose ``g`` leaves the safe range is recomputed for those (head, row) pairs normalizing
+  every step. ``keep``: ``[T, B]`` bool, or empty when nothing is padded. ``restart``: ``[T, B]`` bool (or empty):
+  step ``t`` of that row starts from ``p_start`` ``[N, R]`` instead of ``p_{t-1}`` (document boundaries; only at
+  unpadded steps). Returns every ``g_t`` ``[T,N,B,R]``, the inputs ``p`` of every step then the last ``p_T``
+  (``[T+1,N,B,R]``) and ``s_t`` ``[T,N,B,1]``.
+* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP) -> (dp0, dp_start)``: the reverse loop, given ``dL/dg_t`` and
+  ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t`` entering step ``t``'s
+  matmul, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row (``[N, B, R]``).
+  The gradients of ``u`` and ``Mt`` follow from them in bulk (``ops``).
 """
 
 import torch
@@ -18,7 +22,7 @@ import torch
 from .recurrence import in_safe_range, is_boundary, scale_at_boundary, segments
 
 
-def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int):
+def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start):
     """The scan's forward loop (see the module docstring)."""
     T = u.shape[0]
     G = torch.empty_like(u)
@@ -26,9 +30,12 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int):
     S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
     P[0] = p0
     keep4 = keep[:, None, :, None] if keep.numel() else None
+    restart4 = restart[:, None, :, None] if restart.numel() else None
 
     def run(t0, t1, every_step, G, P, S):
         for t in range(t0, t1):
+            if restart4 is not None:
+                torch.where(restart4[t], p_start[:, None, :], P[t], out=P[t])
             g = torch.mul(u[t], P[t], out=G[t])
             keep_t = None if keep4 is None else keep4[t]
             if every_step or is_boundary(chunk, offset, t):
@@ -51,10 +58,12 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int):
     return G, P, S
 
 
-def scan_backward(dG, su, MtT, keep, DGT, DP):
-    """The scan's backward loop (see the module docstring): fills ``DGT`` and ``DP``, returns ``dL/dp_0``."""
+def scan_backward(dG, su, MtT, keep, restart, DGT, DP):
+    """The scan's backward loop (see the module docstring): fills ``DGT`` and ``DP``, returns ``(dp0, dp_start)``."""
     keep4 = keep[:, None, :, None] if keep.numel() else None
+    restart4 = restart[:, None, :, None] if restart.numel() else None
     dp = torch.zeros_like(su[0])
+    dp_start = torch.zeros_like(su[0])
     for t in range(su.shape[0] - 1, -1, -1):
         if keep4 is None:
             DP[t] = dp
@@ -64,4 +73,7 @@ def scan_backward(dG, su, MtT, keep, DGT, DP):
             DP[t] = torch.where(keep4[t], dp, 0.0)
             torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
             dp = su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
-    return dp
+        if restart4 is not None:  # this step's input was p_start, not the previous step's output
+            dp_start += torch.where(restart4[t], dp, 0.0)
+            dp = torch.where(restart4[t], 0.0, dp)
+    return dp, dp_start
