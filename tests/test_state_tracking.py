@@ -51,6 +51,16 @@ def test_chunked_evaluation_matches_one_batch():
     assert torch.allclose(acc1, (logits.argmax(-1) == y).double().mean(0))
 
 
+def test_evaluate_names_bad_input():
+    task = make_task("cycle_navigation", 4)
+    model = LSTMLanguageModel(4, 8)
+    x, y = task.sample(3, 5, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"must both be non-empty \[batch, length\], got shapes \(3, 5\) and \(3, 4\)"):
+        evaluate(model, x, y[:, :4], task.num_classes)
+    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, 2\), got range \[0, 3\]"):
+        evaluate(model, x, torch.full_like(y, 3).index_fill_(1, torch.tensor([0]), 0), 2)
+
+
 @pytest.mark.parametrize("mixer", BILINEAR_MIXERS)
 def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
     task = make_task("modular_arithmetic", 3)

@@ -73,6 +73,12 @@ def state_consistency_loss(states, labels: torch.Tensor, num_classes: int) -> to
 @torch.no_grad()
 def evaluate(model, tokens, labels, num_classes: int, eval_tokens: int = 8192):
     """Chunked over the batch under no_grad -> (per-position accuracy [T], mean loss)."""
+    if tokens.dim() != 2 or tokens.shape != labels.shape or tokens.numel() == 0:
+        raise ValueError(f"evaluate: tokens and labels must both be non-empty [batch, length], got shapes "
+                         f"{tuple(tokens.shape)} and {tuple(labels.shape)}")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"evaluate: labels must be class ids in [0, {num_classes}), got range "
+                         f"[{int(labels.min())}, {int(labels.max())}] (pass the task's num_classes)")
     with eval_mode(model):
         B, T = tokens.shape
         chunk = max(1, eval_tokens // T)
