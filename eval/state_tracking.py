@@ -57,11 +57,6 @@ from bilinear_lm.probes import (  # noqa: E402
 from bilinear_lm.probes.tasks import USES_M  # noqa: E402
 from bilinear_lm.probes.training import task_label  # noqa: E402
 
-BILINEAR_MIXERS = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
-MODEL_NAMES = tuple(f"bilinear-{m}" for m in BILINEAR_MIXERS) + (
-    "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
-VAL_SEED, TEST_SEED = 1_000_003, 2_000_003  # data seeds shared by all runs: every model sees the same eval data
-
 
 def parse_range(s: str) -> tuple[int, int]:
     try:

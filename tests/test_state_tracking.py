@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bilinear_lm.baselines import LSTMLanguageModel
-from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits, evaluate,
-                                make_task, run_probe, state_consistency_loss)
+from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits,
+                                evaluate, make_task, run_probe, state_consistency_loss)
 from eval import state_tracking as st
 
 TINY = ["--threads", "1", "--val-size", "50", "--test-size", "40", "--hidden-size", "8", "--state-size", "8",
