@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM  # noqa: E402
-from bilinear_lm.baselines import build_model, count_parameters, matched_lstm  # noqa: E402
+from bilinear_lm.baselines import build_model, count_parameters  # noqa: E402
 from bilinear_lm.modeling.ops import cp_recurrence  # noqa: E402
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
@@ -66,12 +66,10 @@ def timed(fn, min_seconds: float, max_iters: int, warmup: int = 1) -> float:
 
 
 def build(name: str, size: str, max_positions: int = 4096):
+    """A model of TRAIN_MODELS, parameter-matched to the bilinear model of ``SIZES[size]``."""
     model_cfg = SIZES[size]
-    if name.startswith("bilinear"):
-        impl = "reference" if name == "bilinear-reference" else "auto"
-        return BilinearForCausalLM(BilinearConfig(vocab_size=VOCAB, recurrence_impl=impl, **model_cfg))
-    if name == "lstm":
-        return matched_lstm(model_cfg, VOCAB)
+    if name == "bilinear-reference":
+        return build_model("bilinear", {**model_cfg, "recurrence_impl": "reference"}, VOCAB)
     model = build_model(name, model_cfg, VOCAB)
     if name == "llama":
         model.config.max_position_embeddings = max_positions

@@ -1,11 +1,14 @@
-"""Build the bilinear LM or a parameter-matched transformers baseline (Llama / Mamba) from one config dict.
+"""The one model factory: the bilinear LM, Llama, Mamba or an LSTM LM from (model_type, config dict, vocab size).
 
     model = build_model("bilinear", {"hidden_size": 128, "num_hidden_layers": 4, ...}, vocab_size=65)
     model = build_model("llama", same_dict, vocab_size=65)      # a Llama with ~ the same parameter count
+    model = build_model("llama", {"hidden_size": 32, "num_hidden_layers": 1, ...}, 65, match_bilinear=False)
 
-The baselines keep the depth and the embedding tying of the bilinear preset and solve for the width (and
-the MLP width) whose *exact* parameter count (a meta-device instantiation, no memory) is closest to the
-bilinear model's. They share the tokenizer and the whole training pipeline of train.py.
+By default (``match_bilinear=True``: train.py, the benchmarks) the config dict is a *bilinear* config and
+the baselines keep its depth and embedding tying and solve for the width (and the MLP width) whose *exact*
+parameter count (a meta-device instantiation, no memory) is closest to the bilinear model's. With
+``match_bilinear=False`` (the probes, the tiny test checkpoints) the dict is the model's own config:
+``LlamaConfig`` / ``MambaConfig`` keys, or ``hidden_size`` / ``num_layers`` for the LSTM.
 """
 from __future__ import annotations
 
@@ -14,9 +17,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
-MODEL_TYPES = ("bilinear", "llama", "mamba")
+MODEL_TYPES = ("bilinear", "llama", "mamba", "lstm")
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -82,17 +85,27 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
     return make(best * step)
 
 
-def build_model(model_type: str, model_config: dict, vocab_size: int) -> PreTrainedModel:
-    """`bilinear` -> BilinearForCausalLM(model_config); `llama` / `mamba` -> parameter-matched baseline."""
+def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_bilinear: bool = True) -> nn.Module:
+    """``bilinear`` -> BilinearForCausalLM(model_config); ``llama`` / ``mamba`` / ``lstm`` -> that model, sized to
+    match the bilinear model of ``model_config`` (``match_bilinear=True``) or built from ``model_config`` itself."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unknown model_type {model_type!r}; choose one of {MODEL_TYPES}")
     if model_type == "bilinear":
         from bilinear_lm import BilinearForCausalLM
 
         return BilinearForCausalLM(bilinear_config(model_config, vocab_size))
-    if model_type == "llama":
-        return LlamaForCausalLM(matched_baseline_config("llama", model_config, vocab_size))
-    if model_type == "mamba":
-        return MambaForCausalLM(matched_baseline_config("mamba", model_config, vocab_size))
-    raise ValueError(f"unknown model_type {model_type!r}; choose one of {MODEL_TYPES}")
+    if model_type == "lstm":
+        if match_bilinear:
+            return matched_lstm(model_config, vocab_size)
+        unknown = sorted(set(model_config) - {"hidden_size", "num_layers"})
+        if unknown:
+            raise ValueError(f"lstm config: unknown key(s) {unknown}; it takes hidden_size and num_layers")
+        return LSTMLanguageModel(vocab_size, **model_config)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "mamba": (MambaConfig, MambaForCausalLM)}[model_type]
+    if match_bilinear:
+        return model_cls(matched_baseline_config(model_type, model_config, vocab_size))
+    return model_cls(config_cls(**{**model_config, "vocab_size": vocab_size}))
 
 
 class LSTMLanguageModel(nn.Module):

@@ -32,26 +32,22 @@ def build_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512,
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=1 << 30)
 
 
+TINY_CONFIGS = {
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True),
+    "bilinear": dict(hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8, rank=8, intermediate_size=64,
+                     norm_chunk_size=16),
+}
+
+
 def build_tiny_model(model_type: str, vocab_size: int, seed: int = 0, **overrides):
+    """A randomly initialized tiny llama or bilinear model (``TINY_CONFIGS`` + overrides) in eval mode."""
+    from bilinear_lm.baselines import build_model
+
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"model_type must be one of {sorted(TINY_CONFIGS)}, got {model_type!r}")
     torch.manual_seed(seed)
-    if model_type == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                   tie_word_embeddings=True)
-        cfg.update(overrides)
-        model = LlamaForCausalLM(LlamaConfig(**cfg))
-    elif model_type == "bilinear":
-        from bilinear_lm import BilinearConfig, BilinearForCausalLM
-
-        cfg = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8,
-                   rank=8, intermediate_size=64, norm_chunk_size=16)
-        cfg.update(overrides)
-        model = BilinearForCausalLM(BilinearConfig(**cfg))
-    else:
-        raise ValueError(f"model_type must be 'llama' or 'bilinear', got {model_type!r}")
-    return model.eval()
+    return build_model(model_type, {**TINY_CONFIGS[model_type], **overrides}, vocab_size, match_bilinear=False).eval()
 
 
 def save_tiny_checkpoint(out_dir: str | Path, model_type: str = "llama", text_file: str | Path = DEFAULT_TEXT,

@@ -3,6 +3,7 @@ end-to-end zero-shot run of a tiny bilinear model on all four."""
 import re
 
 import pytest
+import torch
 
 from bilinear_lm.lm_harness import run_lm_eval
 from eval.lm_eval_tasks.state_tracking.state_tracking_utils import load_probe, render_probe
@@ -40,11 +41,33 @@ def test_unknown_probe_is_a_clear_error():
         load_probe(task="tower_of_hanoi")
 
 
+@torch.no_grad()
+def zero_shot_accuracy(model, tokenizer, docs):
+    """Multiple choice by hand, one model call per choice: the choice (after lm-eval's target delimiter " ") with
+    the highest summed log-probability given the text, the continuation tokens being those the text + choice
+    tokenization adds after the text's own tokens."""
+    hits = 0
+    for doc in docs:
+        context = tokenizer(doc["text"]).input_ids
+        scores = []
+        for choice in doc["choices"]:
+            continuation = tokenizer(doc["text"] + " " + choice).input_ids[len(context):]
+            ids = torch.tensor([context + continuation])
+            logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
+            scores.append(sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(continuation)))
+        hits += max(range(len(scores)), key=scores.__getitem__) == doc["label"]
+    return hits / len(docs)
+
+
 def test_zero_shot_probe_tasks_run_end_to_end():
+    """lm-eval's accuracy on the first 4 documents of each probe (the YAMLs' metadata) equals the one computed by
+    hand from the same documents."""
     tokenizer = cached_tokenizer()
     model = build_tiny_model("bilinear", len(tokenizer))
     results = run_lm_eval(model, tokenizer, ["state_tracking_probes"], limit=4, batch_size=4)
-    names = {"probe_parity", "probe_modular_addition", "probe_cycle_navigation", "probe_permutation_S3"}
-    assert names <= set(results)
-    for name in names:
-        assert 0.0 <= results[name]["acc"] <= 1.0
+    probes = {"probe_parity": ("parity", None), "probe_modular_addition": ("modular_addition", 5),
+              "probe_cycle_navigation": ("cycle_navigation", 5), "probe_permutation_S3": ("permutation_S3", None)}
+    assert set(probes) <= set(results)
+    for name, (task, m) in probes.items():
+        docs = render_probe(task, m, length=20, num_examples=200, seed=0)[:4]
+        assert results[name]["acc"] == zero_shot_accuracy(model, tokenizer, docs), name

@@ -235,6 +235,26 @@ def test_json_list_form_outputs_and_probs(tmp_path):
     assert (labels == task.automaton.class_names.index("reject")).all()
 
 
+@pytest.mark.parametrize("probs", [[3.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.1, 0.7, 0.2], [2.0, 33.0, 7.0]])
+def test_json_roundtrip_keeps_every_field_including_symbol_probs(tmp_path, probs):
+    """to_dict -> JSON file -> load_automaton (and -> from_dict) gives back the same automaton, sampling weights
+    included: the weights given, normalized."""
+    spec = dict(json.loads(json.dumps(GOOD)), outputs={"q0": "zero", "q1": "other", "q2": "other"},
+                symbol_probs=dict(zip(GOOD["alphabet"], probs)))
+    auto = load_automaton(write(tmp_path, spec))
+    expected = torch.tensor(probs, dtype=torch.float64) / sum(probs)
+    torch.testing.assert_close(auto.symbol_probs, expected, rtol=0, atol=1e-15)
+    path = tmp_path / "again.json"
+    auto.save_json(path)
+    for again in (load_automaton(path), Automaton.from_dict(auto.to_dict())):
+        assert torch.equal(again.delta, auto.delta) and torch.equal(again.outputs, auto.outputs)
+        assert (again.start, again.name, again.state_names, again.symbol_names, again.class_names) == (
+            auto.start, auto.name, auto.state_names, auto.symbol_names, auto.class_names)
+        assert torch.equal(again.symbol_probs, auto.symbol_probs)
+    uniform = load_automaton(write(tmp_path, GOOD, "uniform.json"))
+    assert uniform.symbol_probs is None and uniform.to_dict() == GOOD
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda d: d.pop("states"), "missing required key 'states'"),
     (lambda d: d.pop("transitions"), "missing required key 'transitions'"),
@@ -268,3 +288,16 @@ def test_json_file_level_errors(tmp_path):
         load_automaton(write(tmp_path, "{\"states\": [}"))
     with pytest.raises(ValueError, match="top level must be a JSON object"):
         load_automaton(write(tmp_path, "[1, 2]"))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(delta=[[0, 1], [1, 0]], symbol_probs=[1.0]), r"one weight per symbol \(2\), got shape \(1,\)"),
+    (dict(delta=[[0, 1], [1, 0]], symbol_probs=[1.0, -1.0]), "finite non-negative weights, not all zero"),
+    (dict(delta=[[0, 1], [1, 0]], symbol_probs=[0.0, float("nan")]), "finite non-negative weights"),
+    (dict(delta=[[0, 2], [1, 0]]), r"delta entries must be state ids in \[0, 2\)"),
+    (dict(delta=[[0, 1]], start=5), r"start state 5 is not in \[0, 2\)"),
+    (dict(delta=[[0, 1]], outputs=[0]), r"outputs must have one class per state \(2\)"),
+])
+def test_bad_automaton_construction_names_the_problem(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Automaton(name="mine", **kwargs)

@@ -1,15 +1,20 @@
-"""The state-tracking harness: training, length generalization, CLI, sweep outputs (tiny budgets)."""
+"""The state-tracking probes: the library (bilinear_lm.probes: models, training, length generalization) and
+the CLI around it (eval/state_tracking.py: single runs, sweeps, tables, plots), at tiny budgets."""
+import dataclasses
 import json
+import time
 
 import pytest
 import torch
 
 from bilinear_lm.baselines import LSTMLanguageModel
-from bilinear_lm.probes import make_task
+from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits,
+                                evaluate, make_task, run_probe, state_consistency_loss)
 from eval import state_tracking as st
 
 TINY = ["--threads", "1", "--val-size", "50", "--test-size", "40", "--hidden-size", "8", "--state-size", "8",
         "--eval-every", "5"]
+TINY_CONFIG = ProbeConfig(val_size=50, test_size=40, hidden_size=8, state_size=8, eval_every=5)
 
 
 @pytest.fixture(autouse=True)
@@ -21,15 +26,11 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def args_for(*argv):
-    return st.build_parser().parse_args(list(argv))
-
-
 def test_parity_bilinear_diagonal_generalizes_to_longer_sequences():
     """Minimal diagonal bilinear model, trained on lengths 2-10, is perfect at length 300 (val-based stopping)."""
-    args = args_for("--hidden-size", "32", "--state-size", "16", "--steps", "600", "--eval-every", "50",
-                    "--patience", "100", "--val-size", "200", "--test-size", "200", "--test-lengths", "100,300")
-    r = st.run_probe(make_task("parity"), "bilinear-diagonal", 0, args, log=lambda *_: None)
+    config = ProbeConfig(hidden_size=32, state_size=16, steps=600, eval_every=50, patience=100, val_size=200,
+                         test_size=200, test_lengths=(100, 300))
+    r = run_probe(make_task("parity"), "bilinear-diagonal", 0, config, log=lambda *_: None)
     assert r["stop_reason"] == "val_perfect" and r["steps"] < 600
     assert r["best_val_acc"] == 1.0
     for L in ("100", "300"):
@@ -43,35 +44,114 @@ def test_chunked_evaluation_matches_one_batch():
     task = make_task("cycle_navigation", 4)
     model = LSTMLanguageModel(max(task.vocab_size, task.num_classes), 8)
     x, y = task.sample(13, 17, torch.Generator().manual_seed(0))
-    acc1, loss1 = st.evaluate(model, x, y, task.num_classes, eval_tokens=10 ** 6)
-    acc2, loss2 = st.evaluate(model, x, y, task.num_classes, eval_tokens=17 * 3)  # chunks of 3 sequences
+    acc1, loss1 = evaluate(model, x, y, task.num_classes, eval_tokens=10 ** 6)
+    acc2, loss2 = evaluate(model, x, y, task.num_classes, eval_tokens=17 * 3)  # chunks of 3 sequences
     assert torch.allclose(acc1, acc2) and abs(loss1 - loss2) < 1e-6
     logits = model(input_ids=x).logits[..., :task.num_classes]
     assert torch.allclose(acc1, (logits.argmax(-1) == y).double().mean(0))
 
 
-@pytest.mark.parametrize("mixer", st.BILINEAR_MIXERS)
+def test_evaluate_names_bad_input():
+    task = make_task("cycle_navigation", 4)
+    model = LSTMLanguageModel(4, 8)
+    x, y = task.sample(3, 5, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"must both be non-empty \[batch, length\], got shapes \(3, 5\) and \(3, 4\)"):
+        evaluate(model, x, y[:, :4], task.num_classes)
+    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, 2\), got range \[0, 3\]"):
+        evaluate(model, x, torch.full_like(y, 3).index_fill_(1, torch.tensor([0]), 0), 2)
+
+
+@pytest.mark.parametrize("mixer", BILINEAR_MIXERS)
 def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
     task = make_task("modular_arithmetic", 3)
-    model, cfg = st.build_model(f"bilinear-{mixer}", task, args_for(*TINY))
+    model, cfg = build_probe_model(f"bilinear-{mixer}", task, TINY_CONFIG)
     assert type(model).__name__ == "BilinearForCausalLM"
     assert model.config.num_hidden_layers == 1 and model.config.use_mlp is False
     assert model.config.mixer_type == mixer and cfg["vocab_size"] == task.vocab_size
     if mixer == "full":
         assert model.config.rank == task.vocab_size
     x, _ = task.sample(2, 7)
-    assert st.class_logits(model, x, task.num_classes).shape == (2, 7, task.num_classes)
+    assert class_logits(model, x, task.num_classes).shape == (2, 7, task.num_classes)
     assert model.config.use_gate is False  # the paper's linear readout
-    assert st.build_model(f"bilinear-{mixer}", task, args_for(*TINY, "--gate"))[0].config.use_gate is True
+    gated = build_probe_model(f"bilinear-{mixer}", task, dataclasses.replace(TINY_CONFIG, gate=True))[0]
+    assert gated.config.use_gate is True
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_model_name_builds_from_a_fresh_config(name):
+    """Each name of the zoo from a ProbeConfig made here (no earlier call prepares it): the model family, depth and
+    width it names, sized for the task, and class scores from a forward."""
+    task = make_task("cycle_navigation", 5)  # 3 symbols, 5 classes: the vocabulary is max(3, 5)
+    config = ProbeConfig(hidden_size=8, state_size=8, test_lengths=(3000,))
+    model, cfg = build_probe_model(name, task, config)
+    kind, _, n = name.partition("-")
+    expected = {"bilinear": "BilinearForCausalLM", "lstm": "LSTMLanguageModel", "transformer": "LlamaForCausalLM",
+                "mamba": "MambaForCausalLM"}[kind]
+    assert type(model).__name__ == expected and cfg["vocab_size"] == 5 == model.get_input_embeddings().num_embeddings
+    assert model.config.hidden_size == 8
+    if kind == "lstm":
+        assert model.lstm.num_layers == (2 if n == "2" else 1)
+    elif kind != "bilinear":
+        assert model.config.num_hidden_layers == int(n)
+    if kind == "transformer":
+        assert model.config.max_position_embeddings == 3001  # the longest test sequence fits
+    x, _ = task.sample(2, 7)
+    assert class_logits(model, x, task.num_classes).shape == (2, 7, 5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(train_lengths=(10, 2)), r"train_lengths must be a pair \(lo, hi\) of integers with 1 <= lo <= hi"),
+    (dict(train_lengths=(0, 5)), "train_lengths"),
+    (dict(test_lengths=()), "test_lengths must be a non-empty sequence"),
+    (dict(test_lengths=(500, 0)), "test_lengths"),
+    (dict(steps=0), "steps must be an integer >= 1"),
+    (dict(hidden_size=8.0), "hidden_size must be an integer >= 1"),
+    (dict(rank=0), "rank must be None"),
+    (dict(lr=-1e-3), "lr must be None or a finite number > 0"),
+    (dict(max_seconds=float("nan")), "max_seconds"),
+    (dict(lr_schedule="linear"), "lr_schedule must be 'constant' or 'cosine'"),
+    (dict(grad_clip=-1), "grad_clip"),
+    (dict(state_consistency=float("inf")), "state_consistency must be a finite weight >= 0"),
+])
+def test_bad_probe_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match="ProbeConfig." + match):
+        ProbeConfig(**kwargs)
+
+
+def test_run_probe_refuses_bad_input_before_training():
+    task = make_task("parity")
+    with pytest.raises(ValueError, match="unknown model 'gru'; choose one of"):
+        run_probe(task, "gru", 0, TINY_CONFIG)
+    with pytest.raises(ValueError, match="hidden_size 8 must be divisible by num_heads 3"):
+        run_probe(task, "transformer-1", 0, dataclasses.replace(TINY_CONFIG, num_heads=3))
+    with pytest.raises(ValueError, match="config must be a ProbeConfig"):
+        run_probe(task, "lstm", 0, {"steps": 1})
+    with pytest.raises(ValueError, match="task must be a bilinear_lm.probes.Task"):
+        run_probe("parity", "lstm", 0, TINY_CONFIG)
+    with pytest.raises(ValueError, match="lstm has none"):
+        run_probe(task, "lstm", 0, dataclasses.replace(TINY_CONFIG, state_consistency=1.0))
+
+
+def test_cli_maps_its_flags_onto_the_probe_config():
+    args = st.build_parser().parse_args([*TINY, "--train-lengths", "3-7", "--test-lengths", "40,80", "--gate",
+                                         "--rank", "5", "--state-consistency", "2", "--max-seconds", "9"])
+    assert st.config_from_args(args) == dataclasses.replace(
+        TINY_CONFIG, train_lengths=(3, 7), test_lengths=(40, 80), gate=True, rank=5, state_consistency=2.0,
+        max_seconds=9.0)
+    assert st.config_from_args(st.build_parser().parse_args([])) == ProbeConfig()  # same defaults
 
 
 def test_cli_single_run_writes_results_json(tmp_path):
     out = tmp_path / "r.json"
+    start = time.time()
     st.main(["--task", "modular_addition", "--m", "3", "--model", "lstm", "--steps", "20",
              "--test-lengths", "30,50", "--output", str(out), *TINY])
+    elapsed = time.time() - start
     (r,) = json.loads(out.read_text())["runs"]
     assert (r["task"], r["m"], r["model"], r["steps"], r["stop_reason"]) == ("modular_addition", 3, "lstm", 20, "steps")
-    assert r["seconds"] >= 0 and r["num_params"] > 0 and r["train_lengths"] == [2, 10]
+    assert 0 < r["seconds"] + r["eval_seconds"] <= elapsed + 0.02 and r["train_lengths"] == [2, 10]
+    V, H = 3, 8  # embedding V x H, LSTM 4H x (H + H) weights + 2 x 4H biases, head H x V + V
+    assert r["num_params"] == V * H + 4 * H * 2 * H + 2 * 4 * H + H * V + V
     assert r["chance"] == pytest.approx(1 / 3)
     assert r["best_val_acc"] == pytest.approx(max(h["val_acc"] for h in r["history"]), abs=1e-5)   # selected on validation, not training
     for L in (30, 50):
@@ -152,37 +232,37 @@ def test_state_consistency_loss_matches_a_per_class_loop():
         y = labels.reshape(-1)
         per_position = [((unit[i] - unit[y == y[i]].mean(0)) ** 2).sum() for i in range(B * T)]
         expected.append(torch.stack(per_position).mean())
-    got = st.state_consistency_loss(states, labels, C)
+    got = state_consistency_loss(states, labels, C)
     assert torch.allclose(got, torch.stack(expected).mean())
     # Same direction within each class at any positive scale: zero. A sign flip is penalized.
     protos = torch.randn(C, N, H, dtype=torch.float64)
     scale = torch.rand(B, T, N, 1, dtype=torch.float64) + 0.1
     same = [protos[labels] * scale]
-    assert st.state_consistency_loss(same, labels, C) < 1e-24
+    assert state_consistency_loss(same, labels, C) < 1e-24
     flipped = same[0].clone()
     flipped[1, 2] *= -1
-    assert st.state_consistency_loss([flipped], labels, C) > 1e-3
+    assert state_consistency_loss([flipped], labels, C) > 1e-3
 
 
-def test_state_consistency_hooks_capture_training_states_only():
+def test_state_consistency_reads_the_states_the_model_reads_out():
+    """outputs.mixer_states (what run_probe's center loss reads) are the states behind the logits: the minimal
+    model's logits recomputed from them by hand (unit norm x scale -> out_proj -> residual -> RMSNorm -> head), and
+    the center loss reaches the scan's weights, the input factors and the start state."""
     task = make_task("random_fsm", 4)
-    args = args_for(*TINY)
-    model, _ = st.build_model("bilinear-cp", task, args)
-    captured = st.capture_training_states(model)
+    model, _ = build_probe_model("bilinear-cp", task, dataclasses.replace(TINY_CONFIG, gate=False))
+    model = model.double().train()
     x, y = task.sample(3, 6, torch.Generator().manual_seed(0))
-    model.train()
-    model(input_ids=x)
-    loss = st.state_consistency_loss(captured, y, task.num_classes)
-    assert len(captured) == 1 and captured[0].shape == (3, 6, 1, 8) and captured[0].requires_grad
-    loss.backward()
+    out = model(input_ids=x, use_cache=False, output_mixer_states=True)
+    (h,) = out.mixer_states
+    assert h.shape == (3, 6, 1, 8) and h.requires_grad
     mixer = model.model.layers[0].mixer
+    read = (h / h.norm(dim=-1, keepdim=True) * 8 ** 0.5 * mixer.state_norm.weight).flatten(2)
+    resid = model.model.embed_tokens(x) + read @ mixer.out_proj.weight.T
+    normed = resid / resid.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * model.model.norm.weight
+    torch.testing.assert_close(out.logits, normed @ model.lm_head.weight.T)
+    state_consistency_loss(out.mixer_states, y, task.num_classes).backward()
     for p in (mixer.W2, mixer.in_proj.weight, mixer.h0):  # through the scan, the input factors and the start state
         assert p.grad is not None and p.grad.abs().sum() > 0
-    captured.clear()
-    model.eval()
-    with torch.no_grad():
-        model(input_ids=x)
-    assert captured == []
 
 
 def test_state_consistency_changes_training_and_is_recorded(tmp_path):
@@ -202,9 +282,9 @@ def test_state_consistency_changes_training_and_is_recorded(tmp_path):
 
 def test_state_consistency_loss_names_a_capture_mismatch():
     with pytest.raises(ValueError, match="one \\[B, T, heads, state\\] tensor per bilinear layer"):
-        st.state_consistency_loss([], torch.zeros(2, 3, dtype=torch.long), 4)
-    with pytest.raises(ValueError, match="gradient checkpointing"):
-        st.state_consistency_loss([torch.randn(2, 4, 1, 8)], torch.zeros(2, 3, dtype=torch.long), 4)
+        state_consistency_loss([], torch.zeros(2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="output_mixer_states=True"):
+        state_consistency_loss([torch.randn(2, 4, 1, 8)], torch.zeros(2, 3, dtype=torch.long), 4)
 
 
 def test_runs_with_and_without_state_consistency_are_separate_rows():

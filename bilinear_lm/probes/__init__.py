@@ -1,12 +1,16 @@
-"""State-tracking probes: deterministic automata + symbol samplers (generators only, no training).
+"""State-tracking probes: deterministic automata + symbol samplers, the probe models, training and evaluation.
 
-    from bilinear_lm.probes import make_task
+    from bilinear_lm.probes import ProbeConfig, make_task, run_probe
     task = make_task("permutation_S5")
     tokens, labels = task.sample(batch=64, length=10, generator=torch.Generator().manual_seed(0))
+    result = run_probe(make_task("parity"), "bilinear-diagonal", seed=0, config=ProbeConfig(steps=600))
 
-Training and length-generalization evaluation live in ``eval/state_tracking.py``.
+Tasks: ``tasks.py`` / ``automata.py``; models: ``models.py``; training and evaluation: ``training.py``;
+settings: ``config.py``. Tables, plots, sweeps and the CLI live in ``eval/state_tracking.py``.
 """
 from .automata import Automaton, load_automaton
+from .config import ProbeConfig
+from .models import BILINEAR_MIXERS, MODEL_NAMES, build_probe_model, class_logits, model_spec
 from .tasks import (
     TASK_NAMES,
     Task,
@@ -19,8 +23,11 @@ from .tasks import (
     permutation,
     random_fsm,
 )
+from .training import check_state_consistency, evaluate, run_probe, state_consistency_loss
 
 __all__ = [
     "Automaton", "load_automaton", "Task", "TASK_NAMES", "make_task", "parity", "modular_addition",
     "modular_arithmetic", "random_fsm", "cycle_navigation", "permutation", "automaton_task",
+    "ProbeConfig", "BILINEAR_MIXERS", "MODEL_NAMES", "model_spec", "build_probe_model", "class_logits",
+    "run_probe", "evaluate", "state_consistency_loss", "check_state_consistency",
 ]

@@ -8,6 +8,8 @@ Conventions
 - ``delta[s, q]`` is the state reached from state ``q`` on symbol ``s`` (LongTensor [S, Q]).
 - ``outputs[q]`` is the class label emitted in state ``q`` (LongTensor [Q]); the identity unless the
   task reports a function of the state (e.g. the value of an arithmetic expression).
+- ``symbol_probs`` (float64 [S], summing to 1) are the sampling probabilities of the symbols, or None for
+  uniform sampling.
 - The label at position t is ``outputs[state after reading tokens[0..t]]`` (the start state itself
   is never labelled).
 - :meth:`transition_matrices` returns one-hot matrices ``A[s]`` with ``A[s][q', q] = 1`` iff
@@ -36,6 +38,7 @@ class Automaton:
         symbol_names: Sequence[str] | None = None,
         class_names: Sequence[str] | None = None,
         name: str = "automaton",
+        symbol_probs=None,
     ):
         delta = torch.as_tensor(delta, dtype=torch.long)
         if delta.dim() != 2 or delta.numel() == 0:
@@ -54,6 +57,17 @@ class Automaton:
         n_cls = int(outputs.max()) + 1 if num_classes is None else int(num_classes)
         if int(outputs.max()) >= n_cls:
             raise ValueError(f"{name}: output class {int(outputs.max())} >= num_classes {n_cls}")
+        if symbol_probs is not None:
+            symbol_probs = torch.as_tensor(symbol_probs, dtype=torch.float64)
+            if symbol_probs.shape != (num_symbols,):
+                raise ValueError(f"{name}: symbol_probs must have one weight per symbol ({num_symbols}), got shape "
+                                 f"{tuple(symbol_probs.shape)}")
+            if not torch.isfinite(symbol_probs).all() or (symbol_probs < 0).any() or symbol_probs.sum() <= 0:
+                raise ValueError(f"{name}: symbol_probs must be finite non-negative weights, not all zero, got "
+                                 f"{symbol_probs.tolist()}")
+            if abs(float(symbol_probs.sum()) - 1) > 1e-12:  # probabilities stay as given: to_dict round-trips exactly
+                symbol_probs = symbol_probs / symbol_probs.sum()
+        self.symbol_probs = symbol_probs
         self.delta = delta.contiguous()
         self.start = int(start)
         self.outputs = outputs.contiguous()
@@ -124,6 +138,8 @@ class Automaton:
         }
         if not torch.equal(self.outputs, torch.arange(self.num_states)):
             d["outputs"] = {q: self.class_names[int(self.outputs[qi])] for qi, q in enumerate(self.state_names)}
+        if self.symbol_probs is not None:
+            d["symbol_probs"] = {s: float(p) for s, p in zip(self.symbol_names, self.symbol_probs)}
         return d
 
     def save_json(self, path) -> None:
@@ -231,14 +247,13 @@ class Automaton:
         name = spec.get("name", "automaton")
         if not isinstance(name, str):
             raise bad(f"'name' must be a string, got {name!r}")
-        auto = cls(delta, start=q_index[start], outputs=outputs, state_names=states, symbol_names=alphabet,
-                   class_names=class_names, name=name)
-        if "symbol_probs" in spec:
-            auto.symbol_probs = _parse_probs(spec["symbol_probs"], alphabet, bad)
-        return auto
+        probs = _parse_probs(spec["symbol_probs"], alphabet, bad) if "symbol_probs" in spec else None
+        return cls(delta, start=q_index[start], outputs=outputs, state_names=states, symbol_names=alphabet,
+                   class_names=class_names, name=name, symbol_probs=probs)
 
 
-def _parse_probs(v, alphabet: list[str], bad) -> torch.Tensor:
+def _parse_probs(v, alphabet: list[str], bad) -> list[float]:
+    """The JSON ``symbol_probs`` (object symbol -> weight, or list) as one weight per symbol of the alphabet."""
     if isinstance(v, dict):
         extra = sorted(set(map(str, v)) - set(alphabet))
         if extra:
@@ -253,10 +268,9 @@ def _parse_probs(v, alphabet: list[str], bad) -> torch.Tensor:
     for x in vals:
         if not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0 or x != x:
             raise bad(f"'symbol_probs' weights must be non-negative numbers, got {x!r}")
-    p = torch.tensor(vals, dtype=torch.float64)
-    if p.sum() <= 0:
+    if sum(vals) <= 0:
         raise bad("'symbol_probs' weights must not all be zero")
-    return p / p.sum()
+    return vals
 
 
 def load_automaton(path) -> Automaton:

@@ -218,7 +218,7 @@ def permutation(group: str = "S5", symbols: str = "elements") -> Task:
 
 def automaton_task(path) -> Task:
     auto = load_automaton(path)
-    probs = getattr(auto, "symbol_probs", None)
+    probs = auto.symbol_probs
     sampler = uniform_sampler(auto.num_symbols) if probs is None else weighted_sampler(probs)
     return Task("automaton", auto, sampler, {"path": str(path), "name": auto.name})
 

@@ -1,0 +1,79 @@
+"""The probe model zoo: a model name -> a model that maps token ids to class scores.
+
+Every model maps token ids to logits and the first ``num_classes`` logits are the class scores, so the
+vocabulary is sized max(num_symbols, num_classes) and untied. Models are built by the library's one factory,
+``bilinear_lm.baselines.build_model``, from explicit configs (the probe grid fixes depth and width):
+
+- ``bilinear-<mixer>`` for mixer in cp, full, block_diagonal, rotation, diagonal, positive_diagonal:
+  BilinearForCausalLM(num_hidden_layers=1, use_mlp=False, num_heads=1) = the paper's minimal model (embedding ->
+  one bilinear recurrence -> linear readout of the normalized state); ``gate=True`` adds the LM's output gate.
+- ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
+- ``transformer-N``: LlamaForCausalLM with N layers (RoPE, ``num_heads`` heads).
+- ``mamba-N``: MambaForCausalLM with N layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..baselines import build_model
+from .config import ProbeConfig
+from .tasks import Task
+
+BILINEAR_MIXERS = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
+MODEL_NAMES = tuple(f"bilinear-{m}" for m in BILINEAR_MIXERS) + (
+    "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
+
+
+def default_rank(mixer: str, config: ProbeConfig, num_symbols: int) -> int:
+    """``config.rank``, else: ``full`` gets one state matrix per task symbol (rank = num_symbols, the paper's
+    A(x) = sum_s x_s W_s for one-hot x), every other mixer rank = state size."""
+    if config.rank:
+        return config.rank
+    return num_symbols if mixer == "full" else config.state_size
+
+
+def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[str, dict]:
+    """Model name -> (model_type, config dict without vocab_size) for ``baselines.build_model``.
+    An unknown name raises ValueError listing the known ones."""
+    H = config.hidden_size
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, got {name!r}; choose one of {list(MODEL_NAMES)}")
+    if name.startswith("bilinear-"):
+        mixer = name.split("-", 1)[1]
+        if mixer not in BILINEAR_MIXERS:
+            raise ValueError(f"unknown bilinear mixer {mixer!r}; choose one of {list(BILINEAR_MIXERS)}")
+        cfg = dict(hidden_size=H, num_hidden_layers=1, num_heads=1, state_size=config.state_size,
+                   rank=default_rank(mixer, config, num_symbols), mixer_type=mixer, use_mlp=False,
+                   use_gate=config.gate, tie_word_embeddings=False)
+        if mixer == "block_diagonal":
+            cfg["block_size"] = config.block_size
+        return "bilinear", cfg
+    if name in ("lstm", "lstm-2"):
+        return "lstm", dict(hidden_size=H, num_layers=2 if name == "lstm-2" else 1)
+    kind, _, layers = name.partition("-")
+    if kind in ("transformer", "mamba") and layers.isdigit() and int(layers) >= 1:
+        L = int(layers)
+        if kind == "transformer":
+            heads = config.num_heads
+            if H % heads:
+                raise ValueError(f"hidden_size {H} must be divisible by num_heads {heads} for transformers")
+            return "llama", dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=L, num_attention_heads=heads,
+                                 num_key_value_heads=heads, max_position_embeddings=max(2048, config.max_length + 1),
+                                 tie_word_embeddings=False, use_cache=False)
+        return "mamba", dict(hidden_size=H, state_size=16, num_hidden_layers=L, expand=2, tie_word_embeddings=False,
+                             use_cache=False)
+    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N take any N)")
+
+
+def build_probe_model(name: str, task: Task, config: ProbeConfig) -> tuple[nn.Module, dict]:
+    """Model ``name`` sized for ``task`` -> (model, its config as results record it, incl. model_type and vocab_size)."""
+    vocab = max(task.vocab_size, task.num_classes)
+    model_type, cfg = model_spec(name, config, task.vocab_size)
+    model = build_model(model_type, cfg, vocab, match_bilinear=False)
+    return model, {"model_type": model_type, "vocab_size": vocab, **cfg}
+
+
+def class_logits(model, tokens: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Class scores ``[B, T, num_classes]`` (fp32) of a probe model."""
+    return model(input_ids=tokens, use_cache=False).logits[..., :num_classes].float()
