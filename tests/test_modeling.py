@@ -358,3 +358,59 @@ def test_zero_initialized_conv_leaves_the_model_unchanged(tiny_bilinear_config):
     with torch.no_grad():
         torch.testing.assert_close(with_conv(ids).logits, plain(ids).logits, rtol=0, atol=0)
         assert fused_decode_weights(with_conv.model.layers[0], torch.randn(1, 1, 24, dtype=torch.float64)) is None
+
+
+EOS = 3
+
+
+def _packed_documents(vocab_size, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(4, vocab_size, (n,), generator=g) for n in lengths]
+    return docs, torch.cat([torch.cat([d, torch.tensor([EOS])]) for d in docs])
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"write_channel": True}], ids=["pure", "conv", "write"])
+def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, impl, changes):
+    config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, recurrence_impl=impl,
+                          **changes)
+    model = build(config, torch.float64)
+    for layer in model.model.layers:
+        if layer.conv is not None:
+            torch.nn.init.normal_(layer.conv.weight, std=0.5)  # zero at init would hide a window crossing documents
+    docs, packed = _packed_documents(config.vocab_size, [7, 1, 12, 5])
+    with torch.no_grad():
+        logits = model(packed[None]).logits[0]
+        start = 0
+        for doc in docs:
+            alone = model(torch.cat([doc, torch.tensor([EOS])])[None]).logits[0]
+            torch.testing.assert_close(logits[start:start + len(doc) + 1], alone, rtol=1e-9, atol=1e-9)
+            start += len(doc) + 1
+        plain = build(with_changes(config, reset_state_at_eos=False), torch.float64)(packed[None]).logits[0]
+    assert (plain[9:] - logits[9:]).abs().max() > 1e-3  # without the reset the second document sees the first
+
+
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}], ids=["pure", "conv"])
+def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config, changes):
+    """Prefill ending on EOS, then one token per call (the fused decoding step where it applies): the cache carries
+    whether the last token was EOS, and the logits equal one full forward."""
+    config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, **changes)
+    model = build(config, torch.float64)
+    for layer in model.model.layers:
+        if layer.conv is not None:
+            torch.nn.init.normal_(layer.conv.weight, std=0.5)
+    _, packed = _packed_documents(config.vocab_size, [6, 3, 8], seed=1)
+    ids = torch.stack([packed, packed.roll(4)])  # the second row's EOS positions differ
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :7], use_cache=True)  # ends on row 0's first EOS
+        pieces, cache = [out.logits], out.past_key_values
+        assert cache.follows_eos.tolist() == [True, bool(ids[1, 6] == EOS)]
+        for t in range(7, ids.shape[1]):
+            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_reset_needs_an_eos_token():
+    with pytest.raises(ValueError, match="reset_state_at_eos needs eos_token_id"):
+        BilinearConfig(reset_state_at_eos=True)

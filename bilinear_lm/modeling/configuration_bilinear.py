@@ -42,6 +42,8 @@ class BilinearConfig(PreTrainedConfig):
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
     with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
     `gate_activation` is the readout gate's activation (`silu` or `sigmoid`).
+    `reset_state_at_eos=True` restarts every layer's state (and convolution window) after each `eos_token_id`, so
+    documents packed into one training block do not see each other, exactly as if each were run alone.
 
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
@@ -59,6 +61,7 @@ class BilinearConfig(PreTrainedConfig):
     additive_input: bool = False
     conv_width: int = 0
     write_channel: bool = False
+    reset_state_at_eos: bool = False
     gate_activation: str = "silu"
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
@@ -111,6 +114,8 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' without additive_input (it is a CP "
                              f"transition on [h; c]); got mixer_type={self.mixer_type!r}, "
                              f"additive_input={self.additive_input}")
+        if self.reset_state_at_eos and self.eos_token_id is None:
+            raise ValueError("BilinearConfig.reset_state_at_eos needs eos_token_id (the token that ends a document)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BilinearConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:

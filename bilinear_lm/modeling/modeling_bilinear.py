@@ -59,6 +59,7 @@ class BilinearCache:
     def __init__(self, num_layers: int):
         self.states: list[torch.Tensor | None] = [None] * num_layers
         self.conv_states: list[torch.Tensor | None] = [None] * num_layers  # [batch, conv_width - 1, hidden]
+        self.follows_eos: torch.Tensor | None = None  # [batch] bool: the last token was EOS (reset_state_at_eos)
         self.seen_tokens = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -71,6 +72,7 @@ class BilinearCache:
             return [None if s is None else s.index_select(0, beam_idx.to(s.device)) for s in states]
 
         self.states, self.conv_states = select(self.states), select(self.conv_states)
+        self.follows_eos = select([self.follows_eos])[0]
 
     def __len__(self) -> int:
         return len(self.states)
@@ -122,15 +124,16 @@ class BilinearStateNorm(nn.Module):
 class BilinearShortConv(nn.Module):
     """Causal depthwise convolution with a residual, ``x + conv(x)`` (``weight`` zero at init: the identity).
 
-    ``forward(x [B,T,D], window [B,w-1,D] or None, mask) -> (y, new_window)``: ``window`` holds the last ``w - 1``
-    inputs (zeros at the start of a stream). Padded positions enter as zeros, so left padding is exact.
+    ``forward(x [B,T,D], window [B,w-1,D] or None, mask, reset) -> (y, new_window)``: ``window`` holds the last
+    ``w - 1`` inputs (zeros at the start of a stream). Padded positions enter as zeros, so left padding is exact; at a
+    ``reset`` (``[B, T]`` bool: a document starts there) the taps reaching back before it read zeros.
     """
 
     def __init__(self, hidden_size: int, width: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size, 1, width))
 
-    def forward(self, x, window=None, mask=None):
+    def forward(self, x, window=None, mask=None, reset=None):
         B, T, D = x.shape
         width = self.weight.shape[-1]
         if mask is not None:
@@ -138,8 +141,14 @@ class BilinearShortConv(nn.Module):
         if window is None:
             window = x.new_zeros(B, width - 1, D)
         full = torch.cat([window.to(x.dtype), x], dim=1)
-        y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=D).transpose(1, 2)
-        return x + y, full[:, full.shape[1] - (width - 1):]
+        if reset is None:
+            y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=D).transpose(1, 2)
+            return x + y, full[:, T:]
+        # Document index of every position (the window's are 0): a tap counts only within its position's document.
+        doc = torch.cat([reset.new_zeros(B, width - 1, dtype=torch.long), reset.long().cumsum(1)], dim=1)
+        same_doc = (doc.unfold(1, width, 1) == doc[:, width - 1:, None]).to(x.dtype)  # [B, T, width]
+        y = torch.einsum("btdk,btk,dk->btd", full.unfold(1, width, 1), same_doc, self.weight[:, 0].to(x.dtype))
+        return x + y, full[:, T:] * (doc[:, T:] == doc[:, -1:])[..., None].to(x.dtype)
 
 
 class BilinearMixer(nn.Module):
@@ -227,7 +236,8 @@ class BilinearMixer(nn.Module):
         return diagonal_transition
 
     def _inputs(self, x, state):
-        """``(transition, factors [B,T,N,F], gate, additive [B,T,N,H] or None, h0)``, the recurrence's in at least fp32.
+        """``(transition, factors [B,T,N,F], gate, additive [B,T,N,H] or None, h0, h_start)``, the recurrence's
+        inputs in at least fp32 (``h0``: ``state``, else ``h_start``, the learned initial state).
 
         Call under disabled autocast: long products of transitions need the range.
         """
@@ -240,13 +250,14 @@ class BilinearMixer(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         factors = factors.to(dtype).view(B, T, N, self.factor_size)
         additive = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
-        h0 = self.h0
+        h_start = self.h0
         if self.config.write_channel:  # factors [u | b | gamma], state [h | c]
             write = write.to(dtype).view(B, T, N, H + 1)
             factors = torch.cat([factors, write[..., :H], write[..., H:].exp()], dim=-1)
-            h0 = torch.cat([self.h0, self.c0], dim=-1)
-        h0 = (h0 if state is None else state).to(dtype)
-        return self._transition(dtype), factors, gate, additive, h0
+            h_start = torch.cat([self.h0, self.c0], dim=-1)
+        h_start = h_start.to(dtype)
+        h0 = h_start if state is None else state.to(dtype)
+        return self._transition(dtype), factors, gate, additive, h0, h_start
 
     def _readout(self, states, gate, dtype):
         """``Wo(StateNorm(h) * act(gate))``; with the write channel ``h`` is the state without its last coordinate
@@ -256,22 +267,24 @@ class BilinearMixer(nn.Module):
             y = y * _ACTIVATIONS[self.config.gate_activation](gate)
         return self.out_proj(y)
 
-    def forward(self, x, state=None, mask=None, offset: int = 0):
+    def forward(self, x, state=None, mask=None, offset: int = 0, reset=None):
+        """``reset``: optional ``[B, T]`` bool, positions where a document starts (the state restarts from ``h0``)."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            transition, factors, gate, additive, h0 = self._inputs(x, state)
+            transition, factors, gate, additive, h0, h_start = self._inputs(x, state)
             cfg = self.config
             states, final = recurrence(transition, factors, h0, mask, cfg.norm_chunk_size, offset,
-                                           cfg.recurrence_impl, additive)
+                                       cfg.recurrence_impl, additive, reset, h_start)
         return self._readout(states, gate, x.dtype), states, final
 
-    def step(self, x, state=None, mask=None, offset: int = 0):
+    def step(self, x, state=None, mask=None, offset: int = 0, reset=None):
         """One decoding position: ``x [B, 1, D] -> (y [B, 1, D], new_state [B, N, H])``, equal to ``forward``."""
         chunk = self.config.norm_chunk_size
         with torch.autocast(device_type=x.device.type, enabled=False):
-            transition, factors, gate, additive, h0 = self._inputs(x, state)
+            transition, factors, gate, additive, h0, h_start = self._inputs(x, state)
             h = reference_step(transition, factors[:, 0], h0.expand(x.shape[0], *h0.shape[-2:]),
                                None if mask is None else mask[:, 0], is_boundary(chunk, offset, 0), guard=chunk > 0,
-                               additive_t=None if additive is None else additive[:, 0])
+                               additive_t=None if additive is None else additive[:, 0],
+                               reset_t=None if reset is None else reset[:, 0], h_start=h_start)
         return self._readout(h[:, None], gate, x.dtype), h
 
 
@@ -303,37 +316,42 @@ class BilinearBlock(GradientCheckpointingLayer):
         else:
             self.mlp = None
 
-    def forward(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None):
-        """``(hidden [B,T,D], state, mask, offset, conv_state) -> (hidden, states [B,T,N,H], final_state [B,N,H],
-        conv_state)`` (``conv_state``: the convolution's last inputs, None without one)."""
+    def forward(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None, reset=None):
+        """``(hidden [B,T,D], state, mask, offset, conv_state, reset) -> (hidden, states [B,T,N,H],
+        final_state [B,N,H], conv_state)`` (``conv_state``: the convolution's last inputs, None without one;
+        ``reset``: ``[B, T]`` bool, document starts, or None)."""
         if hidden_states.shape[1] == 1:
-            hidden_states, final_state, conv_state = self.step(hidden_states, state, mask, offset, conv_state)
+            hidden_states, final_state, conv_state = self.step(hidden_states, state, mask, offset, conv_state, reset)
             return hidden_states, final_state[:, None], final_state, conv_state
-        mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask)
-        mixed, states, final_state = self.mixer(mixer_input, state, mask, offset)
+        mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask, reset)
+        mixed, states, final_state = self.mixer(mixer_input, state, mask, offset, reset)
         return self._mlp_residual(hidden_states + mixed), states, final_state, conv_state
 
-    def step(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None):
+    def step(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None, reset=None):
         """One decoding position ``[B, 1, D] -> (hidden, new_state, conv_state)``: one compiled call where
         :func:`~.ops.fused_decode_weights` covers it, else the modules (``BilinearMixer.step``)."""
         weights = fused_decode_weights(self, hidden_states)
         if weights is None:
-            mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask)
-            mixed, new_state = self.mixer.step(mixer_input, state, mask, offset)
+            mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask, reset)
+            mixed, new_state = self.mixer.step(mixer_input, state, mask, offset, reset)
             return self._mlp_residual(hidden_states + mixed), new_state, conv_state
         B, _, D = hidden_states.shape
         chunk = self.mixer.config.norm_chunk_size
-        h0 = (self.mixer.h0 if state is None else state).to(hidden_states.dtype)
+        h_start = self.mixer.h0.to(hidden_states.dtype)
+        h0 = h_start.expand(B, *h_start.shape) if state is None else state.to(hidden_states.dtype)
+        if reset is not None:  # a document starts here: the step starts from h_start (a padded row keeps its state)
+            restart = reset[:, 0].bool() if mask is None else reset[:, 0].bool() & mask[:, 0].bool()
+            h0 = torch.where(restart[:, None, None], h_start, h0)
         x_new, h_new = built_kernel().decode_block(
-            x=hidden_states.reshape(B, D).contiguous(), h=h0.expand(B, *h0.shape[-2:]).contiguous(),
+            x=hidden_states.reshape(B, D).contiguous(), h=h0.contiguous(),
             keep=hidden_states.new_empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().contiguous(),
             boundary=is_boundary(chunk, offset, 0), guard=chunk > 0, eps=self.mixer_norm.eps,  # both norms' eps
             **weights._asdict())
         return x_new.view(B, 1, D), h_new, None
 
-    def _mixer_input(self, hidden_states, conv_state, mask):
+    def _mixer_input(self, hidden_states, conv_state, mask, reset):
         x = self.mixer_norm(hidden_states)
-        return (x, None) if self.conv is None else self.conv(x, conv_state, mask)
+        return (x, None) if self.conv is None else self.conv(x, conv_state, mask, reset)
 
     def _mlp_residual(self, hidden_states):
         if self.mlp is None:
@@ -344,6 +362,24 @@ class BilinearBlock(GradientCheckpointingLayer):
         """The block's linear projections (the fused decoding step covers only this package's ``Linear``)."""
         mixer = [self.mixer.in_proj, self.mixer.out_proj]
         return mixer if self.mlp is None else [*mixer, self.mlp.gate_up_proj, self.mlp.down_proj]
+
+
+def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
+    """``(reset [B, T], follows_eos [B])``: the positions right after an EOS token (the first position too where
+    ``follows_eos``, carried by the cache across calls, says the previous call ended with one), and whether each
+    row's last unpadded token is EOS (rows with no unpadded token keep ``follows_eos``)."""
+    B, T = input_ids.shape
+    eos_ids = torch.tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],
+                           device=input_ids.device)
+    is_eos = torch.isin(input_ids, eos_ids)
+    before = torch.zeros(B, dtype=torch.bool, device=input_ids.device) if follows_eos is None else follows_eos
+    reset = torch.cat([before[:, None], is_eos[:, :-1]], dim=1)
+    if mask is None:
+        return reset, is_eos[:, -1]
+    positions = torch.arange(T, device=input_ids.device)
+    last = torch.where(mask.bool(), positions, -1).amax(dim=1)
+    last_is_eos = is_eos.gather(1, last.clamp_min(0)[:, None])[:, 0]
+    return reset, torch.where(last >= 0, last_is_eos, before)
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -436,6 +472,12 @@ class BilinearModel(BilinearPreTrainedModel):
             if bool(mask.all()):
                 mask = None
         offset = past_key_values.seen_tokens if past_key_values is not None else 0
+        reset = None
+        if self.config.reset_state_at_eos and input_ids is not None:
+            reset, follows_eos = document_starts(
+                input_ids, self.config.eos_token_id, mask, None if past_key_values is None else past_key_values.follows_eos)
+            if past_key_values is not None:
+                past_key_values.follows_eos = follows_eos
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
@@ -443,7 +485,7 @@ class BilinearModel(BilinearPreTrainedModel):
         for i, layer in enumerate(self.layers):
             state, conv_state = (None, None) if past_key_values is None else \
                 (past_key_values.states[i], past_key_values.conv_states[i])
-            hidden_states, states, final_state, conv_state = layer(hidden_states, state, mask, offset, conv_state)
+            hidden_states, states, final_state, conv_state = layer(hidden_states, state, mask, offset, conv_state, reset)
             if output_mixer_states:
                 all_mixer_states += (states,)
             if past_key_values is not None:
