@@ -1,0 +1,147 @@
+"""Multi-query associative recall (MQAR, as in the Zoology benchmark: Arora et al. 2023, "Zoology: Measuring and
+Improving Recall in Efficient Language Models"): :func:`mqar` makes the data, :func:`run_recall` trains and scores.
+
+A sequence starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...`` (keys from the first half of the vocabulary,
+values from the second, keys distinct), then every key is queried once at a random later position; the other
+positions hold token 0. The label at a query is its key's value; every other position is ignored (-100). A model
+must store all pairs in its state and read any one back: attention does this by lookup, and a fixed-size
+recurrent state only as far as it can hold ``num_pairs`` associations. A purely multiplicative state (``h_t =
+A(x_t) h_{t-1}``, no write term) is expected to do poorly here.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..baselines import build_model
+from ..utils import eval_mode
+
+IGNORE = -100
+RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-write", "bilinear-conv-write", "llama", "lstm")
+
+
+def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, generator=None):
+    """``(tokens, labels)``, both ``[num_examples, seq_len]`` long tensors (see the module docstring)."""
+    half = vocab_size // 2
+    if num_pairs < 1 or 3 * num_pairs > seq_len:
+        raise ValueError(f"mqar: need 1 <= num_pairs and 3 * num_pairs <= seq_len (pairs plus one query each), got "
+                         f"num_pairs={num_pairs}, seq_len={seq_len}")
+    if half - 1 < num_pairs:
+        raise ValueError(f"mqar: vocab_size {vocab_size} has only {half - 1} keys for {num_pairs} distinct keys; "
+                         "raise vocab_size")
+    keys = torch.rand(num_examples, half - 1, generator=generator).argsort(dim=1)[:, :num_pairs] + 1
+    values = torch.randint(half, vocab_size, (num_examples, num_pairs), generator=generator)
+    tokens = torch.zeros(num_examples, seq_len, dtype=torch.long)
+    labels = torch.full((num_examples, seq_len), IGNORE, dtype=torch.long)
+    tokens[:, 0:2 * num_pairs:2], tokens[:, 1:2 * num_pairs:2] = keys, values
+    # Query slots: num_pairs distinct positions after the pairs; key i is asked at its slot in a random order.
+    slots = torch.rand(num_examples, seq_len - 2 * num_pairs, generator=generator).argsort(dim=1)[:, :num_pairs]
+    slots = slots + 2 * num_pairs
+    order = torch.rand(num_examples, num_pairs, generator=generator).argsort(dim=1)
+    tokens.scatter_(1, slots, keys.gather(1, order))
+    labels.scatter_(1, slots, values.gather(1, order))
+    return tokens, labels
+
+
+@dataclass(frozen=True)
+class RecallConfig:
+    """One MQAR run: data (``vocab_size``, ``seq_len``, ``num_pairs``, ``train_size`` examples, ``test_size``
+    fresh ones), training (``steps`` of Adam at ``lr`` with cosine decay, ``batch_size``), and the model's size
+    (``hidden_size``, ``num_layers``; bilinear ``num_heads`` x ``state_size``, rank = state size; the baselines are
+    built at the same width and depth, Llama with ``num_heads`` heads)."""
+
+    vocab_size: int = 1024
+    seq_len: int = 128
+    num_pairs: int = 8
+    train_size: int = 4000
+    test_size: int = 500
+    steps: int = 1500
+    batch_size: int = 64
+    lr: float = 3e-3
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    state_size: int = 32
+    extra: dict = field(default_factory=dict)  # further BilinearConfig keys for the bilinear models
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "num_pairs", "train_size", "test_size", "steps", "batch_size",
+                     "hidden_size", "num_layers", "num_heads", "state_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RecallConfig.{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"RecallConfig.lr must be a finite number > 0, got {self.lr!r}")
+
+
+def recall_model(name: str, config: RecallConfig):
+    """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``), ``bilinear-write``
+    (``write_channel``), ``bilinear-conv-write``, ``llama`` or ``lstm``, all ``num_layers`` deep and
+    ``hidden_size`` wide."""
+    c = config
+    if name.startswith("bilinear"):
+        variants = set(name.split("-")[1:])
+        if not variants <= {"conv", "write"}:
+            raise ValueError(f"unknown recall model {name!r}; choose one of {RECALL_MODELS}")
+        cfg = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_heads=c.num_heads,
+                   state_size=c.state_size, rank=c.state_size, conv_width=4 if "conv" in variants else 0,
+                   write_channel="write" in variants, **c.extra)
+        return build_model("bilinear", cfg, c.vocab_size, match_bilinear=False)
+    if name == "llama":
+        cfg = dict(hidden_size=c.hidden_size, intermediate_size=4 * c.hidden_size, num_hidden_layers=c.num_layers,
+                   num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
+                   max_position_embeddings=c.seq_len, use_cache=False)
+        return build_model("llama", cfg, c.vocab_size, match_bilinear=False)
+    if name == "lstm":
+        return build_model("lstm", dict(hidden_size=c.hidden_size, num_layers=c.num_layers), c.vocab_size,
+                           match_bilinear=False)
+    raise ValueError(f"unknown recall model {name!r}; choose one of {RECALL_MODELS}")
+
+
+@torch.no_grad()
+def query_accuracy(model, tokens, labels, batch_size: int = 100) -> float:
+    """Fraction of query positions (``labels != -100``) whose argmax logit is the value."""
+    correct = total = 0
+    with eval_mode(model):
+        for i in range(0, len(tokens), batch_size):
+            x, y = tokens[i:i + batch_size], labels[i:i + batch_size]
+            logits = model(input_ids=x).logits
+            asked = y != IGNORE
+            correct += int((logits.argmax(-1)[asked] == y[asked]).sum())
+            total += int(asked.sum())
+    return correct / total
+
+
+def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int = 0, log=print) -> dict:
+    """Train ``model_name`` on MQAR for ``config.steps`` steps -> result dict with the test query accuracy."""
+    c = config
+    g = torch.Generator().manual_seed(seed)
+    train_x, train_y = mqar(c.train_size, c.seq_len, c.num_pairs, c.vocab_size, g)
+    test_x, test_y = mqar(c.test_size, c.seq_len, c.num_pairs, c.vocab_size, torch.Generator().manual_seed(10**6 + seed))
+    torch.manual_seed(seed)
+    model = recall_model(model_name, c).train()
+    opt = torch.optim.Adam(model.parameters(), lr=c.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / c.steps, 1))))
+    t0, loss = time.time(), float("nan")
+    for step in range(c.steps):
+        idx = torch.randint(c.train_size, (c.batch_size,), generator=g)
+        logits = model(input_ids=train_x[idx]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), train_y[idx].flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+    seconds = time.time() - t0
+    result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"},
+              "extra": dict(c.extra), "num_params": sum(p.numel() for p in model.parameters()),
+              "train_loss": round(loss.item(), 4), "seconds": round(seconds, 1),
+              "train_acc": query_accuracy(model, train_x[:c.test_size], train_y[:c.test_size]),
+              "test_acc": query_accuracy(model, test_x, test_y)}
+    log(f"mqar pairs={c.num_pairs} len={c.seq_len} {model_name} seed {seed}: test acc {result['test_acc']:.3f} "
+        f"(train {result['train_acc']:.3f}, loss {result['train_loss']}), {seconds:.0f}s")
+    return result

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Multi-query associative recall (MQAR) sweep: accuracy vs number of key-value pairs, per model (CLI and table).
+
+The data, models and training are the library's ``bilinear_lm.probes.recall`` (``mqar``, ``run_recall``,
+``RecallConfig``); this CLI runs the grid, resumes from its results file, and writes a markdown table.
+
+    python eval/recall.py --models bilinear,bilinear-conv,bilinear-write,llama,lstm --pairs 4,8,16 \
+        --seq-len 64 --steps 600 --output-dir runs/recall
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from bilinear_lm.probes.recall import RECALL_MODELS, RecallConfig, run_recall
+
+
+def markdown_table(runs: list[dict]) -> str:
+    """Rows: models; columns: (seq_len, pairs); cells: mean test query accuracy over seeds (and the seed count)."""
+    cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    lines = ["| model | params | " + " | ".join(f"L={L}, {p} pairs" for L, p in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for m in models:
+        cells = []
+        for col in cols:
+            accs = [r["test_acc"] for r in runs if r["model"] == m and (r["seq_len"], r["num_pairs"]) == col]
+            cells.append(f"{sum(accs) / len(accs):.3f}" + (f" (n={len(accs)})" if len(accs) > 1 else "") if accs
+                         else "-")
+        params = next(r["num_params"] for r in runs if r["model"] == m)
+        lines.append(f"| {m} | {params / 1e3:.0f}k | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
+    if not values:
+        raise SystemExit(f"{flag} is empty")
+    return values
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="bilinear,bilinear-conv,bilinear-write,llama,lstm",
+                   help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
+    p.add_argument("--pairs", default="4,8,16", help="numbers of key-value pairs")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seeds", default="0")
+    defaults = RecallConfig()
+    for name in ("vocab_size", "train_size", "test_size", "steps", "batch_size", "hidden_size", "num_layers",
+                 "num_heads", "state_size"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--output-dir", default="runs/recall")
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - set(RECALL_MODELS))
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {list(RECALL_MODELS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    runs = json.loads(results_path.read_text()) if results_path.exists() else []
+    done = {(r["model"], r["seq_len"], r["num_pairs"], r["seed"]) for r in runs}
+    for pairs in parse_ints(args.pairs, "--pairs"):
+        try:
+            config = RecallConfig(seq_len=args.seq_len, num_pairs=pairs, vocab_size=args.vocab_size,
+                                  train_size=args.train_size, test_size=args.test_size, steps=args.steps,
+                                  batch_size=args.batch_size, lr=args.lr, hidden_size=args.hidden_size,
+                                  num_layers=args.num_layers, num_heads=args.num_heads, state_size=args.state_size)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
+        for seed in parse_ints(args.seeds, "--seeds"):
+            for model in models:
+                if (model, args.seq_len, pairs, seed) in done:
+                    continue
+                try:
+                    runs.append(run_recall(model, config, seed))
+                except ValueError as err:
+                    raise SystemExit(f"error: {err}") from None
+                tmp = results_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(runs, indent=1))
+                tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
+    table = markdown_table(runs)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return runs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""MQAR data against a per-example loop, the sweep CLI, and query accuracy against a hand count."""
+import json
+
+import pytest
+import torch
+
+from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model, run_recall
+
+
+def test_mqar_labels_are_the_values_of_the_queried_keys():
+    tokens, labels = mqar(50, 40, 6, 64, torch.Generator().manual_seed(0))
+    for x, y in zip(tokens.tolist(), labels.tolist()):
+        pairs = dict(zip(x[0:12:2], x[1:12:2]))
+        assert len(pairs) == 6 and all(1 <= k < 32 <= v < 64 for k, v in pairs.items())  # distinct keys, halves
+        asked = [(t, label) for t, label in enumerate(y) if label != IGNORE]
+        assert sorted(x[t] for t, _ in asked) == sorted(pairs)  # every key asked once, after the pairs
+        assert all(t >= 12 and label == pairs[x[t]] for t, label in asked)
+        assert all(x[t] == 0 for t in range(12, 40) if y[t] == IGNORE)
+    again, _ = mqar(50, 40, 6, 64, torch.Generator().manual_seed(0))
+    assert torch.equal(again, tokens)
+
+
+def test_mqar_rejects_impossible_sizes():
+    with pytest.raises(ValueError, match="3 \\* num_pairs <= seq_len"):
+        mqar(1, 10, 4, 64)
+    with pytest.raises(ValueError, match="raise vocab_size"):
+        mqar(1, 64, 20, 16)
+    with pytest.raises(ValueError, match="RecallConfig.steps"):
+        RecallConfig(steps=0)
+    with pytest.raises(ValueError, match="unknown recall model"):
+        recall_model("bilinear-lstm", RecallConfig())
+
+
+def test_query_accuracy_counts_only_queries():
+    class Oracle(torch.nn.Module):  # right at the first half of the queries of every row, wrong elsewhere
+        def forward(self, input_ids):
+            logits = torch.zeros(*input_ids.shape, 64)
+            for b, row in enumerate(self.labels):
+                asked = (row != IGNORE).nonzero().flatten()
+                for t in asked[: len(asked) // 2]:
+                    logits[b, t, row[t]] = 1.0
+                logits[b, :, 0] = 0.5  # the argmax elsewhere: token 0, never a value
+            return type("Out", (), {"logits": logits})
+
+    tokens, labels = mqar(3, 30, 4, 64, torch.Generator().manual_seed(1))
+    oracle = Oracle()
+    oracle.labels = labels
+    assert query_accuracy(oracle, tokens, labels) == pytest.approx(0.5)
+
+
+def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
+    from eval.recall import main
+
+    args = ["--models", "bilinear-conv-write,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
+            "--train-size", "8", "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
+            "--state-size", "4", "--num-heads", "2", "--output-dir", str(tmp_path)]
+    runs = main(args)
+    assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
+    assert json.loads((tmp_path / "results.json").read_text()) == runs
+    assert "| bilinear-conv-write |" in (tmp_path / "table.md").read_text()
+    assert main(args) == runs  # resumed: nothing is run again
