@@ -56,7 +56,7 @@ def main(argv=None) -> list[dict]:
     for name in ("vocab_size", "train_size", "test_size", "steps", "batch_size", "hidden_size", "num_layers",
                  "num_heads", "state_size"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 for bilinear models, 1e-3 for the baselines")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output-dir", default="runs/recall")
     args = p.parse_args(argv)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..baselines import build_model
 from ..utils import eval_mode
+from .training import default_lr
 
 IGNORE = -100
 RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-write", "bilinear-conv-write", "llama", "lstm")
@@ -50,7 +51,8 @@ def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, gener
 @dataclass(frozen=True)
 class RecallConfig:
     """One MQAR run: data (``vocab_size``, ``seq_len``, ``num_pairs``, ``train_size`` examples, ``test_size``
-    fresh ones), training (``steps`` of Adam at ``lr`` with cosine decay, ``batch_size``), and the model's size
+    fresh ones), training (``steps`` of Adam at ``lr`` with cosine decay, ``batch_size``; ``lr`` None: the probes'
+    default, 3e-3 for bilinear models and 1e-3 for the baselines), and the model's size
     (``hidden_size``, ``num_layers``; bilinear ``num_heads`` x ``state_size``, rank = state size; the baselines are
     built at the same width and depth, Llama with ``num_heads`` heads)."""
 
@@ -61,7 +63,7 @@ class RecallConfig:
     test_size: int = 500
     steps: int = 1500
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float | None = None
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -74,8 +76,8 @@ class RecallConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RecallConfig.{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"RecallConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"RecallConfig.lr must be None or a finite number > 0, got {self.lr!r}")
 
 
 def recall_model(name: str, config: RecallConfig):
@@ -124,7 +126,8 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
     test_x, test_y = mqar(c.test_size, c.seq_len, c.num_pairs, c.vocab_size, torch.Generator().manual_seed(10**6 + seed))
     torch.manual_seed(seed)
     model = recall_model(model_name, c).train()
-    opt = torch.optim.Adam(model.parameters(), lr=c.lr)
+    lr = c.lr if c.lr is not None else default_lr(model_name)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / c.steps, 1))))
     t0, loss = time.time(), float("nan")
     for step in range(c.steps):
@@ -137,7 +140,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
         opt.step()
         schedule.step()
     seconds = time.time() - t0
-    result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"},
+    result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"}, "lr": lr,
               "extra": dict(c.extra), "num_params": sum(p.numel() for p in model.parameters()),
               "train_loss": round(loss.item(), 4), "seconds": round(seconds, 1),
               "train_acc": query_accuracy(model, train_x[:c.test_size], train_y[:c.test_size]),
