@@ -83,13 +83,14 @@ def parse_list(s: str, typ=int, flag: str = "") -> list:
 def run_key(r: dict) -> tuple:
     """What identifies a run in a results file (a sweep skips the runs already there)."""
     return (r["task"], json.dumps(r["task_params"], sort_keys=True), r["model"], r["seed"],
-            r.get("state_consistency", 0.0))
+            r.get("state_consistency", 0.0), r.get("model_config", {}).get("write_channel", False))
 
 
 def model_label(r: dict) -> str:
-    """Model name as tables and plots show it (runs with state consistency are a separate row)."""
+    """Model name as tables and plots show it (runs with state consistency or a write channel are separate rows)."""
     w = r.get("state_consistency", 0.0)
-    return f"{r['model']} +consistency {w:g}" if w else r["model"]
+    name = r["model"] + (" +write" if r.get("model_config", {}).get("write_channel") else "")
+    return f"{name} +consistency {w:g}" if w else name
 
 
 def _groups(runs: list[dict]):
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-size", type=int, default=128, help="bilinear state size")
     p.add_argument("--rank", type=int, default=None, help="bilinear rank (default: state size; number of task symbols for full)")
     p.add_argument("--block-size", type=int, default=2, help="bilinear block_diagonal block size")
+    p.add_argument("--write-channel", action="store_true",
+                   help="bilinear-cp: add the homogeneous write channel (BilinearConfig.write_channel)")
     p.add_argument("--gate", action="store_true",
                    help="bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the paper's linear "
                         "readout of the normalized state)")
@@ -255,7 +258,8 @@ def config_from_args(args) -> ProbeConfig:
         max_seconds=args.max_seconds, patience=args.patience, eval_every=args.eval_every, batch_size=args.batch_size,
         lr=args.lr, lr_schedule=args.lr_schedule, grad_clip=args.grad_clip, state_consistency=args.state_consistency,
         eval_tokens=args.eval_tokens, hidden_size=args.hidden_size, state_size=args.state_size, rank=args.rank,
-        block_size=args.block_size, gate=args.gate, num_heads=args.num_heads, verbose=args.verbose)
+        block_size=args.block_size, gate=args.gate, write_channel=args.write_channel, num_heads=args.num_heads,
+        verbose=args.verbose)
 
 
 def main(argv=None) -> int:

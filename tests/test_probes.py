@@ -301,3 +301,12 @@ def test_json_file_level_errors(tmp_path):
 def test_bad_automaton_construction_names_the_problem(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Automaton(name="mine", **kwargs)
+
+
+def test_write_channel_probe_model_is_a_cp_option():
+    from bilinear_lm.probes import ProbeConfig, build_probe_model, make_task
+
+    model, cfg = build_probe_model("bilinear-cp", make_task("parity"), ProbeConfig(write_channel=True, state_size=8))
+    assert cfg["write_channel"] and model.config.write_channel
+    with pytest.raises(ValueError, match="write_channel is a CP option"):
+        build_probe_model("bilinear-full", make_task("parity"), ProbeConfig(write_channel=True, state_size=8))

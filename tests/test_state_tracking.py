@@ -292,3 +292,5 @@ def test_runs_with_and_without_state_consistency_are_separate_rows():
     a, b = dict(base), dict(base, state_consistency=5.0)
     assert st.run_key(a) != st.run_key(b)
     assert st.model_label(a) == "bilinear-cp" and st.model_label(b) == "bilinear-cp +consistency 5"
+    c = dict(base, model_config={"write_channel": True})
+    assert st.run_key(c) != st.run_key(a) and st.model_label(c) == "bilinear-cp +write"

@@ -17,7 +17,8 @@ class ProbeConfig:
     validation accuracy has been perfect for ``patience`` steps. Test: ``test_size`` sequences at each of
     ``test_lengths``, evaluated ``eval_tokens`` tokens at a time.
     Models: ``hidden_size`` (every model), ``state_size`` / ``rank`` (None: state size, the number of task
-    symbols for ``full``) / ``block_size`` / ``gate`` (bilinear), ``num_heads`` (transformers).
+    symbols for ``full``) / ``block_size`` / ``gate`` / ``write_channel`` (CP only: ``BilinearConfig.write_channel``)
+    (bilinear), ``num_heads`` (transformers).
     """
 
     train_lengths: tuple[int, int] = (2, 10)
@@ -40,6 +41,7 @@ class ProbeConfig:
     rank: int | None = None
     block_size: int = 2
     gate: bool = False
+    write_channel: bool = False
     num_heads: int = 4
     verbose: bool = False
 
