@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Language-model quality at equal wall-clock budgets: any train.py preset, any set of models and variants.
+
+    python benchmarks/equal_time.py --preset shakespeare-char --output benchmarks/RESULTS.md
+    python benchmarks/equal_time.py --preset tinystories --budgets 240 --seeds 0,1 --workdir runs/tinystories \
+        --run "bilinear=--learning_rate 2e-3" --run "bilinear+conv=--model.conv_width 4" \
+        --run "llama=--model_type llama --learning_rate 1e-3"
+
+Every ``--run LABEL=OVERRIDES`` is a train.py run of the preset with those overrides (default: bilinear, llama and
+mamba as the preset has them). First each label's step time is measured in a short calibration run; then, for
+every budget and seed, a fresh run trains ``budget / step time`` steps with a cosine schedule ending there and
+is scored on the whole validation split. The step counts come from the calibration alone, so only the
+calibrations need an otherwise idle machine: the training runs give the same losses however loaded the machine
+is (``--jobs 2`` runs two at a time, one thread each). Finished runs in ``--workdir`` are reused.
+Prints a table (params, tokens/s, ms/step, validation loss at each budget: mean over seeds and each seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = REPO / "bilinear_lm" / "configs"
+# nanoGPT's documented CPU recipe (0.80M parameters), run on this kind of machine: the char-level reference.
+NANOGPT = {"shakespeare-char": {75: 1.886, 180: 1.68}}
+DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mamba"]
+
+
+def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None):
+    """One train.py run; returns its metrics records. A finished run in out_dir (its final save) is reused."""
+    if not (out_dir / "config.json").exists():
+        cmd = [sys.executable, str(REPO / "train.py"), "--config", str(preset), "--output_dir", str(out_dir),
+               "--max_steps", str(max_steps), "--eval_interval", str(eval_interval), "--eval_iters", "0",
+               "--save_interval", "0", "--sample_tokens", "0", *overrides]
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=env)
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def seconds_per_step(records: list[dict]) -> float:
+    """Mean training step time after the first logged interval (warm-up)."""
+    logs = [r for r in records if "tokens_per_sec" in r]
+    return (logs[-1]["train_seconds"] - logs[0]["train_seconds"]) / (logs[-1]["step"] - logs[0]["step"])
+
+
+def parameter_count(checkpoint: Path) -> int:
+    """Parameters stored in a checkpoint's safetensors header (tied weights are stored once); no torch needed."""
+    with open(checkpoint / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+def parse_run(spec: str) -> tuple[str, list[str]]:
+    label, sep, overrides = spec.partition("=")
+    if not sep or not label or "/" in label:
+        raise SystemExit(f"--run must look like LABEL=TRAIN_OVERRIDES (e.g. 'llama=--model_type llama'), got {spec!r}")
+    return label, shlex.split(overrides)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="shakespeare-char", help="a YAML preset in bilinear_lm/configs")
+    parser.add_argument("--run", action="append", dest="runs", help="LABEL=TRAIN_OVERRIDES (repeatable)")
+    parser.add_argument("--budgets", default="75,180", help="training seconds per run")
+    parser.add_argument("--seeds", default="1337", help="train.py --seed values; every budget runs every seed")
+    parser.add_argument("--evals", type=int, default=8, help="validation points per run (for the plot)")
+    parser.add_argument("--calibration-steps", type=int, default=60, help="steps of the step-time calibration run")
+    parser.add_argument("--log-interval", type=int, default=10, help="train.py log interval (>= 2 logs in calibration)")
+    parser.add_argument("--jobs", type=int, default=1, help="training runs at a time (one thread each when > 1)")
+    parser.add_argument("--output", type=Path, help="append the table to this markdown file")
+    parser.add_argument("--plot", type=Path, help="loss-vs-time plot of the largest budget (PNG)")
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (finished runs are reused); default: temporary")
+    args = parser.parse_args(argv)
+    preset = PRESETS / f"{args.preset}.yaml"
+    if not preset.exists():
+        raise SystemExit(f"--preset {args.preset!r}: no {preset}; presets: {sorted(p.stem for p in PRESETS.glob('*.yaml'))}")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = [parse_run(spec) for spec in (args.runs or DEFAULT_RUNS)]
+    threads = 1 if args.jobs > 1 else None
+
+    with tempfile.TemporaryDirectory() as scratch:
+        work = args.workdir or Path(scratch)
+        rows, curves, jobs = [], {}, []
+        for label, overrides in runs:  # calibrations: one at a time, on an idle machine
+            extra = ["--log_interval", str(args.log_interval), *overrides]
+            calib = train(preset, work / f"{label}-calib", args.calibration_steps, 0, extra, None)
+            step_s = seconds_per_step(calib)
+            logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up interval
+            rows.append((label, parameter_count(work / f"{label}-calib"), step_s, sum(logged) / len(logged)))
+            for budget in budgets:
+                steps = max(5, int(budget / step_s))
+                for seed in seeds:
+                    jobs.append((label, budget, seed, steps, [*extra, "--seed", str(seed)]))
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            results = list(pool.map(lambda j: train(preset, work / f"{j[0]}-{j[1]}-seed{j[2]}", j[3],
+                                                    max(1, j[3] // args.evals), j[4], threads), jobs))
+        losses = {}
+        for (label, budget, seed, steps, _), records in zip(jobs, results):
+            evals = [r for r in records if "val_loss" in r]
+            losses.setdefault((label, budget), []).append(evals[-1]["val_loss"])
+            print(f"{label}: {budget} s budget = {steps} steps, seed {seed} -> val loss {evals[-1]['val_loss']:.3f}",
+                  flush=True)
+            if budget == max(budgets) and seed == seeds[0]:
+                step_s = next(r[2] for r in rows if r[0] == label)
+                curves[label] = [(r["step"] * step_s, r["val_loss"]) for r in evals]
+
+    header = "| run | params | tokens/s | ms/step | " + " | ".join(f"val loss @{b} s" for b in budgets) + " |"
+    lines = [header, "|" + "---|" * (4 + len(budgets))]
+    for label, params, step_s, tokens_per_sec in rows:
+        cells = []
+        for b in budgets:
+            vals = losses[(label, b)]
+            mean = sum(vals) / len(vals)
+            cells.append(f"**{mean:.3f}**" + (f" ({', '.join(f'{v:.3f}' for v in vals)})" if len(vals) > 1 else ""))
+        lines.append(f"| {label} | {params / 1e6:.2f}M | {tokens_per_sec:.0f} | {step_s * 1e3:.1f} | "
+                     + " | ".join(cells) + " |")
+    reference = NANOGPT.get(args.preset, {})
+    if reference:
+        lines.append("| nanoGPT CPU recipe (reference) | 0.80M | 22,800 | 33.7 | "
+                     + " | ".join(f"{reference[b]:.3f}" if b in reference else "-" for b in budgets) + " |")
+    runs_note = "; ".join(f"{label}: `{' '.join(o) or '(preset)'}`" for label, o in runs)
+    note = (f"Preset `{args.preset}`; seeds {seeds}. Each budget is a separate run of `budget / calibrated step time` "
+            f"steps whose cosine schedule ends there; validation = the whole held-out split. Runs: {runs_note}.")
+    table = "\n".join(lines + ["", note])
+    print("\n" + table)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, points in curves.items():
+            ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xlabel("training seconds (calibrated, 2 CPU cores)")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(args.preset)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+    if args.output:
+        with open(args.output, "a") as f:
+            f.write(f"\nCommand: `python benchmarks/equal_time.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
