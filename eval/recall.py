@@ -53,7 +53,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seeds", default="0")
     defaults = RecallConfig()
-    for name in ("vocab_size", "train_size", "test_size", "steps", "batch_size", "hidden_size", "num_layers",
+    for name in ("vocab_size", "test_size", "steps", "batch_size", "hidden_size", "num_layers",
                  "num_heads", "state_size"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=None, help="default: 3e-3 for bilinear models, 1e-3 for the baselines")
@@ -74,7 +74,7 @@ def main(argv=None) -> list[dict]:
     for pairs in parse_ints(args.pairs, "--pairs"):
         try:
             config = RecallConfig(seq_len=args.seq_len, num_pairs=pairs, vocab_size=args.vocab_size,
-                                  train_size=args.train_size, test_size=args.test_size, steps=args.steps,
+                                  test_size=args.test_size, steps=args.steps,
                                   batch_size=args.batch_size, lr=args.lr, hidden_size=args.hidden_size,
                                   num_layers=args.num_layers, num_heads=args.num_heads, state_size=args.state_size)
         except ValueError as err:

@@ -52,7 +52,7 @@ def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
     from eval.recall import main
 
     args = ["--models", "bilinear-conv-write,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
-            "--train-size", "8", "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
+            "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
             "--state-size", "4", "--num-heads", "2", "--output-dir", str(tmp_path)]
     runs = main(args)
     assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
