@@ -22,15 +22,16 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = REPO / "train.py"
 PRESET = REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml"
-NANOGPT = {75: 1.886, 180: 1.68}  # nanoGPT CPU recipe on this machine (FINDINGS.md)
+NANOGPT = {75: 1.886, 180: 1.68}  # nanoGPT's CPU recipe, run on this machine outside this repo (benchmarks/RESULTS.md)
 
 
 def train(out_dir: Path, model_type: str, max_steps: int, eval_interval: int, extra: list[str]) -> list[dict]:
     """One train.py run of the preset; returns its metrics records. A finished run in out_dir is reused."""
     if (out_dir / "config.json").exists():  # train.py saves the final model last
         return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(PRESET), "--model_type", model_type,
+    cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(PRESET), "--model_type", model_type,
            "--output_dir", str(out_dir), "--max_steps", str(max_steps), "--eval_interval", str(eval_interval),
            "--eval_iters", "0", "--save_interval", "0", "--sample_tokens", "0", *extra]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -62,6 +63,9 @@ def main(argv=None):
     parser.add_argument("--log-interval", type=int, default=10, help="train.py log interval (>= 2 logs in calibration)")
     parser.add_argument("extra", nargs="*", help="extra train.py overrides, e.g. --learning_rate 2e-3")
     args = parser.parse_args(argv)
+    if not TRAIN_SCRIPT.is_file():
+        parser.error(f"{TRAIN_SCRIPT} not found: this benchmark runs the repo's train.py, so it needs a source "
+                     "checkout (run it there: python benchmarks/shakespeare_char.py, or install with pip install -e)")
     budgets = [int(b) for b in args.budgets.split(",")]
     tokens_per_step = 12 * 64  # the preset's batch_size x block_size
 

@@ -53,13 +53,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bilinear_lm.baselines import LSTMLanguageModel  # noqa: E402
-from bilinear_lm.probes import TASK_NAMES, Task, make_task  # noqa: E402
-from bilinear_lm.probes.tasks import USES_M  # noqa: E402
-from bilinear_lm.utils import eval_mode  # noqa: E402
+from bilinear_lm.baselines import LSTMLanguageModel
+from bilinear_lm.probes import TASK_NAMES, Task, make_task
+from bilinear_lm.probes.tasks import USES_M
+from bilinear_lm.utils import eval_mode
 
 BILINEAR_MIXERS = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in BILINEAR_MIXERS) + (
