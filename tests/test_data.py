@@ -78,17 +78,17 @@ def test_jsonl_documents_get_eos_between_them(tmp_path):
 
 
 def test_bad_inputs_have_clear_errors(tmp_path, shakespeare_raw):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(D.DataError, match="does not exist"):
         D.load_raw_text(train_file=str(tmp_path / "missing.txt"))
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(D.DataError, match="is empty"):
         D.load_raw_text(train_file=str(_write(tmp_path / "empty.txt", "\n\n")))
-    with pytest.raises(ValueError, match="unsupported data file extension"):
+    with pytest.raises(D.DataError, match="unsupported data file extension"):
         D.load_raw_text(train_file=str(_write(tmp_path / "x.csv", "a,b")))
     tiny = D.load_raw_text(train_file=str(_write(tmp_path / "tiny.txt", "hello world, this is tiny\n")))
     tok = D.build_tokenizer("char", tiny["train"])
-    with pytest.raises(ValueError, match="fewer than block_size=64"):
+    with pytest.raises(D.DataError, match="fewer than block_size=64"):
         D.tokenize_and_pack(tiny, tok, block_size=64)
-    with pytest.raises(ValueError, match="tokenizer path .* is not a directory"):
+    with pytest.raises(D.DataError, match="tokenizer path .* is not a directory"):
         D.build_tokenizer(str(tmp_path / "no_such_tokenizer"), tiny["train"])
 
 
@@ -97,10 +97,10 @@ def test_unreachable_hub_fails_fast_with_local_file_hint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     t0 = time.time()
-    with pytest.raises(SystemExit, match="(?s)Hub is unreachable.*--train_file"):
+    with pytest.raises(D.DataError, match="(?s)Hub is unreachable.*--train_file"):  # an exception, not SystemExit
         D.load_raw_text(dataset="wikitext", dataset_config="wikitext-2-raw-v1")
     assert time.time() - t0 < 5
-    with pytest.raises(ValueError, match="tokenizer 'gpt2' is not a local directory and the HuggingFace Hub is unreachable"):
+    with pytest.raises(D.DataError, match="tokenizer 'gpt2' is not a local directory and the HuggingFace Hub is unreachable"):
         D.build_tokenizer("gpt2", None)
 
 

@@ -1,5 +1,6 @@
 """eval/perplexity.py: streaming (recurrent state carried) and strided protocols vs independent
 references (one naive fp64 forward; per-token brute force), metric definitions, CLI and errors."""
+import copy
 import json
 import math
 import re
@@ -58,9 +59,13 @@ def naive_nll(model, ids):
 
 
 def test_encode_text_prefix_and_roundtrip(tokenizer, text, ids):
-    assert tokenizer.bos_token_id is None
-    assert ids[0].item() == tokenizer.eos_token_id  # prefix = BOS else EOS (lm-eval's rule)
+    assert ids[0].item() == tokenizer.convert_tokens_to_ids("<|endoftext|>")  # train.py's BPE: BOS = EOS
     assert tokenizer.decode(ids[1:].tolist()) == text  # byte-level BPE is lossless
+    # prefix = BOS, else EOS (lm-eval's rule)
+    bos_only, eos_only = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    bos_only.bos_token, bos_only.eos_token, eos_only.bos_token = "a", None, None
+    assert ppl.encode_text(bos_only, "x")[0] == tokenizer.convert_tokens_to_ids("a")
+    assert ppl.encode_text(eos_only, "x")[0] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
