@@ -1,5 +1,8 @@
 """Data pipeline and config parsing of train.py, against independent references (plain slicing / loops)."""
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -147,3 +150,27 @@ def test_all_presets_parse_and_build():
             n = count_parameters(build_model("bilinear", cfg["model"], vocab_size=50257 if p.stem == "125m" else 4096))
         if p.stem == "125m":
             assert 100e6 < n < 150e6
+
+
+# ------------------------------------------------------------------------------------ saved tokenizer
+@pytest.mark.parametrize("setup,load", [("import bilinear_lm", "AutoTokenizer.from_pretrained(CKPT)"),
+                                        ("", "AutoTokenizer.from_pretrained(CKPT, trust_remote_code=True)")])
+def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tmp_path, tiny_bilinear_config):
+    """A checkpoint as train.py writes it (model + its BPE in one folder): with bilinear_lm imported, or with
+    trust_remote_code=True, AutoTokenizer neither asks y/N (stdin closed) nor warns about the model type, and
+    round-trips text. (A bare AutoTokenizer.from_pretrained(CKPT) in a process that never imported
+    bilinear_lm asks: transformers 5.23 resolves the model config, remote code, before tokenizer_config.json.)"""
+    from bilinear_lm import BilinearForCausalLM
+
+    text = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", "hello world, a tiny text\n" * 50)))
+    tok = D.build_tokenizer(None, text["train"], vocab_size=280)
+    tiny_bilinear_config.vocab_size = len(tok)
+    BilinearForCausalLM(tiny_bilinear_config).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    code = (f"{setup}\nfrom transformers import AutoTokenizer\nCKPT = {str(tmp_path / 'ckpt')!r}\ntok = {load}\n"
+            "print('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == 'hello world', tok.eos_token)")
+    out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"ROUNDTRIP True {D.EOS_TOKEN}" in out.stdout
+    assert "[y/N]" not in out.stdout + out.stderr and "to instantiate a model of type" not in out.stderr
