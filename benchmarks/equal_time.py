@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = REPO / "train.py"
 PRESETS = REPO / "bilinear_lm" / "configs"
 # nanoGPT's documented CPU recipe (0.80M parameters), run on this kind of machine: the char-level reference.
 NANOGPT = {"shakespeare-char": {75: 1.886, 180: 1.68}}
@@ -38,7 +39,7 @@ DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mam
 def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None):
     """One train.py run; returns its metrics records. A finished run in out_dir (its final save) is reused."""
     if not (out_dir / "config.json").exists():
-        cmd = [sys.executable, str(REPO / "train.py"), "--config", str(preset), "--output_dir", str(out_dir),
+        cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(preset), "--output_dir", str(out_dir),
                "--max_steps", str(max_steps), "--eval_interval", str(eval_interval), "--eval_iters", "0",
                "--save_interval", "0", "--sample_tokens", "0", *overrides]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
@@ -66,7 +67,7 @@ def parse_run(spec: str) -> tuple[str, list[str]]:
     return label, shlex.split(overrides)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare-char", help="a YAML preset in bilinear_lm/configs")
     parser.add_argument("--run", action="append", dest="runs", help="LABEL=TRAIN_OVERRIDES (repeatable)")
@@ -80,6 +81,9 @@ def main(argv=None):
     parser.add_argument("--plot", type=Path, help="loss-vs-time plot of the largest budget (PNG)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (finished runs are reused); default: temporary")
     args = parser.parse_args(argv)
+    if not TRAIN_SCRIPT.is_file():
+        parser.error(f"{TRAIN_SCRIPT} not found: this benchmark runs the repo's train.py, so it needs a source "
+                     "checkout (run it there: python benchmarks/equal_time.py, or install with pip install -e)")
     preset = PRESETS / f"{args.preset}.yaml"
     if not preset.exists():
         raise SystemExit(f"--preset {args.preset!r}: no {preset}; presets: {sorted(p.stem for p in PRESETS.glob('*.yaml'))}")
@@ -151,7 +155,8 @@ def main(argv=None):
     if args.output:
         with open(args.output, "a") as f:
             f.write(f"\nCommand: `python benchmarks/equal_time.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

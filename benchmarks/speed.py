@@ -29,11 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bilinear_lm import BilinearConfig, BilinearForCausalLM  # noqa: E402
-from bilinear_lm.baselines import build_model, count_parameters  # noqa: E402
-from bilinear_lm.modeling.ops import cp_recurrence  # noqa: E402
+from bilinear_lm import BilinearConfig, BilinearForCausalLM
+from bilinear_lm.baselines import build_model, count_parameters
+from bilinear_lm.modeling.ops import cp_recurrence
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
 SIZES = {
@@ -41,6 +39,8 @@ SIZES = {
     "25M": dict(hidden_size=512, num_hidden_layers=8, num_heads=8, state_size=64, rank=64),
 }
 TRAIN_MODELS = ("bilinear", "bilinear-reference", "llama", "mamba", "lstm")
+PARTS = ("peak", "train", "generate", "probe")
+PRECISIONS = ("fp32", "bf16")
 
 
 SLOW_CALL_SECONDS = 30.0
@@ -147,7 +147,7 @@ def part_train(args, peaks):
                 flops = model_flops_per_token(model, T)
                 mfu = {p: tok_s[p] * flops / peaks[p] for p in tok_s}
                 share = "-"
-                if name == "bilinear":
+                if name == "bilinear" and "fp32" in tok_s:
                     share = f"{recurrence_seconds(model, batch, T) * tok_s['fp32'] / (batch * T):.0%}"
                 results[(size, name, T)] = tok_s
                 cell = lambda p, fmt: format(tok_s[p], fmt) if p in tok_s else "-"  # noqa: E731
@@ -246,11 +246,11 @@ def part_probe(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda cast: (lambda s: [cast(x) for x in s.split(",")])  # noqa: E731
-    parser.add_argument("--parts", type=csv(str), default=["peak", "train", "generate", "probe"])
+    parser.add_argument("--parts", type=csv(str), default=list(PARTS))
     parser.add_argument("--sizes", type=csv(str), default=list(SIZES))
     parser.add_argument("--seq-lens", type=csv(int), default=[256, 1024, 4096])
     parser.add_argument("--models", type=csv(str), default=list(TRAIN_MODELS))
-    parser.add_argument("--precisions", type=csv(str), default=["fp32", "bf16"])
+    parser.add_argument("--precisions", type=csv(str), default=list(PRECISIONS))
     parser.add_argument("--tokens-per-step", type=int, default=8192)
     parser.add_argument("--min-seconds", type=float, default=3.0)
     parser.add_argument("--max-iters", type=int, default=5)
@@ -259,12 +259,11 @@ def main(argv=None):
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--output", type=Path, help="append the tables to this markdown file")
     args = parser.parse_args(argv)
-    for name in args.sizes:
-        if name not in SIZES:
-            parser.error(f"--sizes: unknown size {name!r}; choose from {list(SIZES)}")
-    for name in args.models:
-        if name not in TRAIN_MODELS:
-            parser.error(f"--models: unknown model {name!r}; choose from {list(TRAIN_MODELS)}")
+    for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
+                                  ("--models", args.models, TRAIN_MODELS), ("--precisions", args.precisions, PRECISIONS)):
+        for value in values:
+            if value not in choices:
+                parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}")
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "

@@ -14,10 +14,15 @@ import os
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import datasets
 from datasets import Dataset, DatasetDict, concatenate_datasets
+
+class DataError(ValueError):
+    """Unusable training data or tokenizer input (missing or empty file, unreachable hub, ...); the message says
+    what to pass instead. CLIs print it as one line."""
+
 
 TEXT_EXTENSIONS = {".txt": "text", ".raw": "text", ".text": "text", ".jsonl": "json", ".json": "json"}
 EOS_TOKEN = "<|endoftext|>"
@@ -27,7 +32,7 @@ EOS_TOKEN = "<|endoftext|>"
 def _builder_for(path: str) -> str:
     suffix = Path(path).suffix.lower()
     if suffix not in TEXT_EXTENSIONS:
-        raise ValueError(
+        raise DataError(
             f"unsupported data file extension {suffix!r} for {path}: use a .txt (one text, split by lines) "
             f"or .jsonl (one JSON object per line with a text field) file"
         )
@@ -37,9 +42,9 @@ def _builder_for(path: str) -> str:
 def _check_file(path: str, what: str) -> None:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{what} {path!r} does not exist (resolved to {p.resolve()}); check the path")
+        raise DataError(f"{what} {path!r} does not exist (resolved to {p.resolve()}); check the path")
     if p.stat().st_size == 0 or not p.read_text(encoding="utf-8", errors="replace").strip():
-        raise ValueError(f"{what} {path!r} is empty; it must contain text to train on")
+        raise DataError(f"{what} {path!r} is empty; it must contain text to train on")
 
 
 def offline_mode() -> bool:
@@ -96,7 +101,7 @@ def load_raw_text(
             files["validation"] = validation_file
         builders = {_builder_for(f) for f in files.values()}
         if len(builders) != 1:
-            raise ValueError("--train_file and --validation_file must have the same format (.txt or .jsonl)")
+            raise DataError("--train_file and --validation_file must have the same format (.txt or .jsonl)")
         builder = builders.pop()
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
         raw = datasets.load_dataset(builder, data_files=files, **kwargs)
@@ -107,9 +112,9 @@ def load_raw_text(
                 try:
                     raw = datasets.load_dataset(dataset, dataset_config)
                 except Exception as err:  # noqa: BLE001 - re-raised with the fix
-                    raise SystemExit(_offline_help(dataset, text_column)) from err
+                    raise DataError(_offline_help(dataset, text_column)) from err
             else:
-                raise SystemExit(_offline_help(dataset, text_column))
+                raise DataError(_offline_help(dataset, text_column))
         else:
             raw = datasets.load_dataset(dataset, dataset_config)
         if validation_file:
@@ -119,12 +124,12 @@ def load_raw_text(
                 builder, data_files=validation_file, split="train", **({"keep_linebreaks": True} if builder == "text" else {})
             )
     else:
-        raise ValueError("no training data: pass --dataset NAME (HuggingFace hub) or --train_file PATH (.txt/.jsonl)")
+        raise DataError("no training data: pass --dataset NAME (HuggingFace hub) or --train_file PATH (.txt/.jsonl)")
 
     if "train" not in raw:
-        raise ValueError(f"dataset has no 'train' split (splits: {list(raw)})")
+        raise DataError(f"dataset has no 'train' split (splits: {list(raw)})")
     if text_column not in raw["train"].column_names:
-        raise ValueError(
+        raise DataError(
             f"text column {text_column!r} not found (columns: {raw['train'].column_names}); pass --text_column"
         )
     out = DatasetDict({"train": raw["train"].select_columns([text_column])})
@@ -136,14 +141,14 @@ def load_raw_text(
     if text_column != "text":
         out = out.rename_column(text_column, "text")
     if sum(len(t) for t in out["train"]["text"]) == 0:
-        raise ValueError("training data contains no text")
+        raise DataError("training data contains no text")
     return out
 
 
 def carve_validation(ds: Dataset, val_fraction: float, text_column: str = "text") -> tuple[Dataset, Dataset]:
     """Split off the last `val_fraction` of the characters (splitting one row if needed)."""
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     texts = ds[text_column]
     total = sum(len(t) for t in texts)
     cut = int(total * (1.0 - val_fraction))  # == nanoGPT: train = data[:int(n*0.9)]
@@ -153,7 +158,7 @@ def carve_validation(ds: Dataset, val_fraction: float, text_column: str = "text"
             break
         seen += len(t)
     else:
-        raise ValueError("training data too small to carve a validation split; pass --validation_file")
+        raise DataError("training data too small to carve a validation split; pass --validation_file")
     off = cut - seen
     head = Dataset.from_dict({text_column: [texts[i][:off]]})
     tail = Dataset.from_dict({text_column: [texts[i][off:]]})
@@ -168,10 +173,25 @@ def _iter_text(ds: Dataset, batch: int = 1000) -> Iterator[list[str]]:
         yield ds[i : i + batch]["text"]
 
 
+def train_bpe_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int):
+    """A byte-level BPE (lossless, no prefix space) trained with `tokenizers` on ``texts`` (strings, or batches
+    of strings), as a `PreTrainedTokenizerFast` whose BOS, EOS and padding token is ``<|endoftext|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
 def build_tokenizer(spec: str | None, train_text: Dataset, vocab_size: int = 8192):
     """`char` -> character vocabulary of the training text; None/"bpe" -> byte-level BPE trained with
     `tokenizers`; anything else -> AutoTokenizer.from_pretrained(spec) (local directory or hub name)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if spec == "char":
@@ -181,30 +201,22 @@ def build_tokenizer(spec: str | None, train_text: Dataset, vocab_size: int = 819
         tok.decoder = decoders.Fuse()
         return PreTrainedTokenizerFast(tokenizer_object=tok)
     if spec in (None, "", "bpe"):
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(_iter_text(train_text), trainer=trainer, length=len(train_text))
-        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+        return train_bpe_tokenizer(_iter_text(train_text), vocab_size)
     looks_local = os.sep in spec or spec.startswith(".") or Path(spec).exists()
     if looks_local and not Path(spec).is_dir():
-        raise ValueError(
+        raise DataError(
             f"tokenizer path {spec!r} is not a directory; pass a directory written by save_pretrained, a hub "
             f"name, 'char', or omit --tokenizer to train a byte-level BPE"
         )
     if not looks_local and not offline_mode() and not hub_reachable():
-        raise ValueError(
+        raise DataError(
             f"tokenizer {spec!r} is not a local directory and the HuggingFace Hub is unreachable; pass a local "
             f"directory written by save_pretrained, 'char', or omit --tokenizer to train a byte-level BPE"
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except Exception as err:  # noqa: BLE001
-        raise ValueError(
+        raise DataError(
             f"could not load tokenizer {spec!r} ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
             f"Pass a local directory written by save_pretrained, a reachable hub name, 'char', or omit "
             f"--tokenizer to train a byte-level BPE on the training text"
@@ -247,7 +259,7 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
                       desc=f"tokenize {split}")
         n_tokens = sum(len(x) for x in toks["input_ids"])
         if n_tokens < block_size:
-            raise ValueError(
+            raise DataError(
                 f"the {split} split has only {n_tokens} tokens, fewer than block_size={block_size}; "
                 f"use a smaller --block_size or more data"
             )

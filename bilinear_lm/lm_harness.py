@@ -5,11 +5,11 @@
     # {"wikitext2_local": {"word_perplexity": ..., "byte_perplexity": ..., "bits_per_byte": ...},
     #  "lambada_openai_local": {"acc": ..., "acc_stderr": ..., "perplexity": ..., "perplexity_stderr": ...}}
 
-The repo's offline task YAMLs (eval/lm_eval_tasks) are included automatically when they exist.
-Equivalent stock CLI on a saved checkpoint::
+The offline task YAMLs shipped with the package (``TASKS_DIR`` = bilinear_lm/lm_eval_tasks) are always
+included. Equivalent stock CLI on a saved checkpoint (from the repo root; elsewhere pass ``TASKS_DIR``)::
 
     lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True --tasks wikitext2_local \
-        --include_path eval/lm_eval_tasks --device cpu
+        --include_path bilinear_lm/lm_eval_tasks --device cpu
 """
 from __future__ import annotations
 
@@ -19,11 +19,7 @@ from typing import Any
 
 from .utils import eval_mode
 
-REPO_TASKS_DIR = Path(__file__).resolve().parents[1] / "eval" / "lm_eval_tasks"
-
-
-def default_include_path() -> str | None:
-    return str(REPO_TASKS_DIR) if REPO_TASKS_DIR.is_dir() else None
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # package data: wikitext2_local, lambada_openai_local, probes
 
 
 def _summarize(results: dict) -> dict:
@@ -55,7 +51,7 @@ def _task_manager(TaskManager, include_path, tasks):
     if missing:
         raise ValueError(f"run_lm_eval: unknown lm-eval task(s) {missing}; the offline tasks are "
                          f"wikitext2_local, lambada_openai_local and the state_tracking_probes in "
-                         f"{include_path or REPO_TASKS_DIR}")
+                         f"{TASKS_DIR}")
     return tm
 
 
@@ -66,7 +62,7 @@ def run_lm_eval(model, tokenizer, tasks, limit: int | float | None = None, batch
     """Evaluate an in-memory ``PreTrainedModel`` + tokenizer with ``lm_eval.simple_evaluate``.
 
     tasks: task names (str with commas or list). limit: examples per task (int) or fraction (<1).
-    include_path: extra task directories; default: the repo's eval/lm_eval_tasks when it exists.
+    include_path: task directories; default: ``TASKS_DIR`` (the offline tasks shipped with the package).
     max_length: HFLM context length (rolling-loglikelihood window; default from the model config, 2048
     when it has none). bootstrap_iters=0 skips bootstrap stderrs (fast; perplexity stderr then absent).
     Returns ``{task: {metric: value}}`` (metric names without the ",none" filter suffix); with
@@ -86,7 +82,7 @@ def run_lm_eval(model, tokenizer, tasks, limit: int | float | None = None, batch
     if tokenizer.eos_token_id is None:
         raise ValueError("run_lm_eval: the tokenizer has no eos_token; lm-eval needs one (prefix/EOT token)")
     if include_path is None:
-        include_path = default_include_path()
+        include_path = str(TASKS_DIR)
     elif not isinstance(include_path, (list, tuple)):
         if not Path(include_path).exists():
             raise ValueError(f"run_lm_eval: include_path {include_path!r} does not exist")

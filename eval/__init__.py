@@ -1,0 +1,1 @@
+"""Evaluation scripts (``python eval/perplexity.py``), installed as ``bilinear_lm.eval``."""

@@ -19,7 +19,7 @@ prepended, so that *every* text token is predicted: ``tokens = len(input_ids) - 
 ``word_perplexity = exp(nll / words)`` with ``words = len(re.split(r"\\s+", text))`` (lm-eval's wikitext
 definition), ``bits_per_byte = nll / bytes / ln 2`` with ``bytes = len(text.encode("utf-8"))``.
 
-CLI::
+CLI (``bilinear-perplexity`` once installed; same arguments)::
 
     python eval/perplexity.py --model CKPT --file ../shared/data/wikitext-2-raw/wiki.test.raw \\
         --mode both --segment_len 512 --max_length 1024 --stride 512 --output ppl.json
@@ -67,8 +67,23 @@ def _as_1d(input_ids) -> torch.Tensor:
     if ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D or [1, T]; got shape {tuple(ids.shape)}")
     if ids.numel() < 2:
-        raise ValueError("need at least 2 tokens (a prefix token and one token to predict)")
+        raise ValueError(f"need at least 2 tokens (a prefix token and one token to predict), got {ids.numel()}; "
+                         "pass a longer text")
     return ids
+
+
+def _model_ids(model, input_ids) -> torch.Tensor:
+    """``input_ids`` as one 1-D sequence on the model's device, every id checked against the vocabulary."""
+    ids = _as_1d(input_ids)
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ((ids < 0) | (ids >= vocab)).nonzero()
+    if bad.numel():
+        pos = int(bad[0, 0])
+        raise ValueError(
+            f"token id {int(ids[pos])} at position {pos} is outside the model's vocabulary of {vocab} ids "
+            f"(0..{vocab - 1}): the tokenizer does not match the model; tokenize with the model's own tokenizer "
+            "(the one saved with the checkpoint, or --tokenizer PATH)")
+    return ids.to(_model_device(model))
 
 
 def _model_device(model) -> torch.device:
@@ -116,7 +131,7 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
     Raises ValueError for models that return no cache, or an attention KV cache (which grows with the
     text and is limited by the position range) unless ``allow_kv_cache=True``; use
     :func:`strided_perplexity` (``--mode strided``) for those."""
-    ids = _as_1d(input_ids).to(_model_device(model))
+    ids = _model_ids(model, input_ids)
     if segment_len < 1:
         raise ValueError(f"segment_len must be >= 1, got {segment_len}")
     with eval_mode(model):
@@ -154,7 +169,7 @@ def strided_perplexity(model, input_ids, max_length: int = 1024, stride: int = 5
 
     ``stride = max_length - 1`` gives disjoint windows equivalent to lm-eval's rolling loglikelihood
     with ``max_length - 1``; ``max_length >= len(input_ids)`` is one full forward pass."""
-    ids = _as_1d(input_ids).to(_model_device(model))
+    ids = _model_ids(model, input_ids)
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     if not 1 <= stride <= max_length - 1:
@@ -184,7 +199,7 @@ def rolling_perplexity(model, input_ids, max_length: int = 2048):
     is left-extended to ``max_length`` inputs (more context, only its new tokens scored). With the
     prefix token at ``input_ids[0]`` this reproduces lm-eval's per-document number exactly.
     Returns ``(total_nll, n_tokens)``."""
-    ids = _as_1d(input_ids).to(_model_device(model))
+    ids = _model_ids(model, input_ids)
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     with eval_mode(model):
@@ -221,7 +236,7 @@ def encode_text(tokenizer, text: str, prefix_id: int | None = None) -> torch.Ten
         prefix_id = prefix_token_id(tokenizer)
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     if len(ids) == 0:
-        raise ValueError("the text tokenizes to zero tokens")
+        raise ValueError(f"the text tokenizes to zero tokens (text of {len(text)} characters); pass a non-empty text")
     return torch.tensor([prefix_id] + list(ids), dtype=torch.long)
 
 
@@ -277,51 +292,54 @@ def evaluate_text(model, tokenizer, text: str, modes=("streaming",), segment_len
 # ----------------------------------------------------------------------------- CLI
 def load_model_and_tokenizer(ckpt: str, tokenizer_path: str | None = None, trust_remote_code: bool = False,
                              dtype: str = "float32", device: str = "cpu"):
+    """A ``save_pretrained`` checkpoint and its tokenizer (from the checkpoint or ``tokenizer_path``), in eval
+    mode; a missing or unloadable checkpoint or tokenizer is a ValueError that says what to pass."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(ckpt)  # model_type "bilinear" is registered by the bilinear_lm import at the top
     if not path.exists():
-        raise SystemExit(f"error: checkpoint {ckpt!r} does not exist (pass a directory written by save_pretrained)")
+        raise ValueError(f"checkpoint {ckpt!r} does not exist (pass a directory written by save_pretrained)")
     if not (path / "config.json").is_file():
-        raise SystemExit(f"error: {ckpt!r} has no config.json; is it a save_pretrained checkpoint directory?")
+        raise ValueError(f"{ckpt!r} has no config.json; is it a save_pretrained checkpoint directory?")
     tok_src = tokenizer_path or ckpt
     tok_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
                  "vocab.txt")
     if Path(tok_src).is_dir() and not any((Path(tok_src) / f).is_file() for f in tok_files):
-        raise SystemExit(f"error: no tokenizer files in {tok_src!r} (expected tokenizer.json / tokenizer_config.json). "
+        raise ValueError(f"no tokenizer files in {tok_src!r} (expected tokenizer.json / tokenizer_config.json). "
                          "Save the tokenizer with the model (tokenizer.save_pretrained(CKPT)) or pass --tokenizer PATH")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise SystemExit(f"error: could not load a tokenizer from {tok_src!r} ({type(exc).__name__}: {exc}). "
+        raise ValueError(f"could not load a tokenizer from {tok_src!r} ({type(exc).__name__}: {exc}). "
                          "Save the tokenizer next to the model (tokenizer.save_pretrained(CKPT)) or pass --tokenizer PATH")
     if tokenizer is None or isinstance(tokenizer, bool):
-        raise SystemExit(f"error: no tokenizer found in {tok_src!r}; pass --tokenizer PATH")
+        raise ValueError(f"no tokenizer found in {tok_src!r}; pass --tokenizer PATH")
     torch_dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise SystemExit(f"error: could not load a causal LM from {ckpt!r} ({type(exc).__name__}: {exc}); "
+        raise ValueError(f"could not load a causal LM from {ckpt!r} ({type(exc).__name__}: {exc}); "
                          "for custom code pass --trust_remote_code")
     return model.to(device).eval(), tokenizer
 
 
 def read_text(args) -> str:
+    """The text to score: ``--file``, or the ``--dataset`` rows joined by ``--join`` (ValueError if unavailable)."""
     if args.file:
         p = Path(args.file)
         if not p.is_file():
-            raise SystemExit(f"error: --file {args.file!r} does not exist or is not a file")
+            raise ValueError(f"--file {args.file!r} does not exist or is not a file")
         return p.read_text(encoding="utf-8")
     import datasets
 
     try:
         ds = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
     except Exception as exc:
-        raise SystemExit(f"error: could not load dataset {args.dataset!r} config {args.dataset_config!r} split "
+        raise ValueError(f"could not load dataset {args.dataset!r} config {args.dataset_config!r} split "
                          f"{args.split!r} ({type(exc).__name__}: {exc}). Offline? use --file PATH instead")
     if args.text_column not in ds.column_names:
-        raise SystemExit(f"error: dataset has no column {args.text_column!r} (columns: {ds.column_names}); "
+        raise ValueError(f"dataset has no column {args.text_column!r} (columns: {ds.column_names}); "
                          "pass --text_column")
     return args.join.encode().decode("unicode_escape").join(ds[args.text_column])
 
@@ -364,26 +382,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.dataset and args.file:
-        raise SystemExit("error: pass either --file or --dataset, not both")
     if args.threads:
         torch.set_num_threads(args.threads)
-    text = read_text(args)
-    if not text.strip():
-        raise SystemExit("error: the input text is empty")
-    model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.trust_remote_code,
-                                                args.dtype, args.device)
-    modes = ["streaming", "strided"] if args.mode == "both" else [args.mode]
     try:
+        text = read_text(args)
+        if not text.strip():
+            raise ValueError("the input text is empty")
+        model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.trust_remote_code,
+                                                    args.dtype, args.device)
+        modes = ["streaming", "strided"] if args.mode == "both" else [args.mode]
         if args.max_tokens:  # truncate by tokens, then recount words/bytes on the decoded prefix
             ids = encode_text(tokenizer, text)[: args.max_tokens + 1]
             text = tokenizer.decode(ids[1:].tolist())
         results = evaluate_text(model, tokenizer, text, modes, args.segment_len, args.max_length, args.stride,
                                 allow_kv_cache=args.allow_kv_cache, skip_unsupported_streaming=args.mode == "both")
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}")
+        raise SystemExit(f"error: {exc}") from None
     payload = {"model": str(args.model), "source": args.file or f"{args.dataset}/{args.dataset_config}/{args.split}",
                "results": results}
     print(format_table(results))
@@ -391,8 +407,8 @@ def main(argv=None) -> dict:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.output}")
-    return payload
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ def parse_ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bilinear,bilinear-conv,bilinear-write,llama,lstm",
                    help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
@@ -93,8 +94,8 @@ def main(argv=None) -> list[dict]:
     table = markdown_table(runs)
     (out / "table.md").write_text(table + "\n")
     print(table)
-    return runs
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -49,13 +49,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bilinear_lm.probes import (  # noqa: E402
+from bilinear_lm.probes import (
     MODEL_NAMES, TASK_NAMES, ProbeConfig, Task, check_state_consistency, make_task, model_spec, run_probe)
-from bilinear_lm.probes.tasks import USES_M  # noqa: E402
-from bilinear_lm.probes.training import task_label  # noqa: E402
+from bilinear_lm.probes.tasks import USES_M
+from bilinear_lm.probes.training import task_label
 
 
 def parse_range(s: str) -> tuple[int, int]:

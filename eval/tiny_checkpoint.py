@@ -1,7 +1,7 @@
 """Tiny offline checkpoints for tests and smoke runs (no hub access).
 
-``build_tokenizer`` trains a small byte-level BPE on a slice of a local text file and wraps it as a
-``PreTrainedTokenizerFast`` (eos = pad = ``<|endoftext|>``, no BOS, no post-processor, lossless).
+``build_tokenizer`` trains train.py's byte-level BPE (``bilinear_lm.data.train_bpe_tokenizer``: lossless,
+BOS = EOS = pad = ``<|endoftext|>``) on a slice of a local text file.
 ``save_tiny_checkpoint`` saves a randomly initialized tiny model (llama or bilinear) + that tokenizer.
 
     python eval/tiny_checkpoint.py OUT_DIR [--model_type llama|bilinear] [--text FILE]
@@ -15,21 +15,14 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"
-EOS = "<|endoftext|>"
 
 
 def build_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512, n_chars: int = 200_000):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The byte-level BPE of ``bilinear_lm.data`` trained on the first ``n_chars`` characters of ``text_file``."""
+    from bilinear_lm.data import train_bpe_tokenizer
 
     text = Path(text_file).read_text(encoding="utf-8")[:n_chars]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=1 << 30)
+    return train_bpe_tokenizer(text.splitlines(keepends=True), vocab_size)
 
 
 TINY_CONFIGS = {
@@ -57,7 +50,7 @@ def save_tiny_checkpoint(out_dir: str | Path, model_type: str = "llama", text_fi
     model = build_tiny_model(model_type, len(tokenizer), seed=seed, **overrides)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.bos_token_id = None
+    model.config.bos_token_id = tokenizer.bos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

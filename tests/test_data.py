@@ -1,5 +1,8 @@
 """Data pipeline and config parsing of train.py, against independent references (plain slicing / loops)."""
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,17 +81,17 @@ def test_jsonl_documents_get_eos_between_them(tmp_path):
 
 
 def test_bad_inputs_have_clear_errors(tmp_path, shakespeare_raw):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(D.DataError, match="does not exist"):
         D.load_raw_text(train_file=str(tmp_path / "missing.txt"))
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(D.DataError, match="is empty"):
         D.load_raw_text(train_file=str(_write(tmp_path / "empty.txt", "\n\n")))
-    with pytest.raises(ValueError, match="unsupported data file extension"):
+    with pytest.raises(D.DataError, match="unsupported data file extension"):
         D.load_raw_text(train_file=str(_write(tmp_path / "x.csv", "a,b")))
     tiny = D.load_raw_text(train_file=str(_write(tmp_path / "tiny.txt", "hello world, this is tiny\n")))
     tok = D.build_tokenizer("char", tiny["train"])
-    with pytest.raises(ValueError, match="fewer than block_size=64"):
+    with pytest.raises(D.DataError, match="fewer than block_size=64"):
         D.tokenize_and_pack(tiny, tok, block_size=64)
-    with pytest.raises(ValueError, match="tokenizer path .* is not a directory"):
+    with pytest.raises(D.DataError, match="tokenizer path .* is not a directory"):
         D.build_tokenizer(str(tmp_path / "no_such_tokenizer"), tiny["train"])
 
 
@@ -97,10 +100,10 @@ def test_unreachable_hub_fails_fast_with_local_file_hint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     t0 = time.time()
-    with pytest.raises(SystemExit, match="(?s)Hub is unreachable.*--train_file"):
+    with pytest.raises(D.DataError, match="(?s)Hub is unreachable.*--train_file"):  # an exception, not SystemExit
         D.load_raw_text(dataset="wikitext", dataset_config="wikitext-2-raw-v1")
     assert time.time() - t0 < 5
-    with pytest.raises(ValueError, match="tokenizer 'gpt2' is not a local directory and the HuggingFace Hub is unreachable"):
+    with pytest.raises(D.DataError, match="tokenizer 'gpt2' is not a local directory and the HuggingFace Hub is unreachable"):
         D.build_tokenizer("gpt2", None)
 
 
@@ -147,3 +150,27 @@ def test_all_presets_parse_and_build():
             n = count_parameters(build_model("bilinear", cfg["model"], vocab_size=50257 if p.stem == "125m" else 4096))
         if p.stem == "125m":
             assert 100e6 < n < 150e6
+
+
+# ------------------------------------------------------------------------------------ saved tokenizer
+@pytest.mark.parametrize("setup,load", [("import bilinear_lm", "AutoTokenizer.from_pretrained(CKPT)"),
+                                        ("", "AutoTokenizer.from_pretrained(CKPT, trust_remote_code=True)")])
+def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tmp_path, tiny_bilinear_config):
+    """A checkpoint as train.py writes it (model + its BPE in one folder): with bilinear_lm imported, or with
+    trust_remote_code=True, AutoTokenizer neither asks y/N (stdin closed) nor warns about the model type, and
+    round-trips text. (A bare AutoTokenizer.from_pretrained(CKPT) in a process that never imported
+    bilinear_lm asks: transformers 5.23 resolves the model config, remote code, before tokenizer_config.json.)"""
+    from bilinear_lm import BilinearForCausalLM
+
+    text = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", "hello world, a tiny text\n" * 50)))
+    tok = D.build_tokenizer(None, text["train"], vocab_size=280)
+    tiny_bilinear_config.vocab_size = len(tok)
+    BilinearForCausalLM(tiny_bilinear_config).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    code = (f"{setup}\nfrom transformers import AutoTokenizer\nCKPT = {str(tmp_path / 'ckpt')!r}\ntok = {load}\n"
+            "print('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == 'hello world', tok.eos_token)")
+    out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"ROUNDTRIP True {D.EOS_TOKEN}" in out.stdout
+    assert "[y/N]" not in out.stdout + out.stderr and "to instantiate a model of type" not in out.stderr

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bilinear_lm.lm_eval_tasks import bilinear_local_utils as local
+from bilinear_lm.lm_harness import TASKS_DIR
 from eval import perplexity as ppl
-from eval.lm_eval_tasks import bilinear_local_utils as local
 from eval.tiny_checkpoint import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TASKS_DIR = REPO / "eval" / "lm_eval_tasks"
 MODEL_TYPES = ["llama", "bilinear"]
 N_WIKI, N_LAMBADA = 3, 6
 
@@ -88,7 +88,8 @@ def get_model(model_type, vocab_size):
 
 # ----------------------------------------------------------------------------- loaders
 def test_local_loaders_on_real_data(data_dir, monkeypatch):
-    monkeypatch.delenv(local.DATA_ENV, raising=False)  # default: <repo>/../shared/data
+    monkeypatch.delenv(local.DATA_ENV, raising=False)  # default: ../shared/data from the current directory
+    monkeypatch.chdir(REPO)
     wiki = local.load_wikitext2()
     # EleutherAI/wikitext_document_level wikitext-2-raw-v1 has 60 validation and 62 test pages
     assert (len(wiki["validation"]), len(wiki["test"])) == (60, 62)

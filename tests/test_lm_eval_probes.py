@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
+from bilinear_lm.lm_eval_tasks.state_tracking.state_tracking_utils import load_probe, render_probe
 from bilinear_lm.lm_harness import run_lm_eval
-from eval.lm_eval_tasks.state_tracking.state_tracking_utils import load_probe, render_probe
 from eval.tiny_checkpoint import build_tiny_model, cached_tokenizer
 
 

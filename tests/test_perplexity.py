@@ -1,5 +1,6 @@
 """eval/perplexity.py: streaming (recurrent state carried) and strided protocols vs independent
 references (one naive fp64 forward; per-token brute force), metric definitions, CLI and errors."""
+import copy
 import json
 import math
 import re
@@ -58,9 +59,13 @@ def naive_nll(model, ids):
 
 
 def test_encode_text_prefix_and_roundtrip(tokenizer, text, ids):
-    assert tokenizer.bos_token_id is None
-    assert ids[0].item() == tokenizer.eos_token_id  # prefix = BOS else EOS (lm-eval's rule)
+    assert ids[0].item() == tokenizer.convert_tokens_to_ids("<|endoftext|>")  # train.py's BPE: BOS = EOS
     assert tokenizer.decode(ids[1:].tolist()) == text  # byte-level BPE is lossless
+    # prefix = BOS, else EOS (lm-eval's rule)
+    bos_only, eos_only = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    bos_only.bos_token, bos_only.eos_token, eos_only.bos_token = "a", None, None
+    assert ppl.encode_text(bos_only, "x")[0] == tokenizer.convert_tokens_to_ids("a")
+    assert ppl.encode_text(eos_only, "x")[0] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -153,6 +158,28 @@ def test_bad_arguments(tokenizer, ids):
         ppl.streaming_perplexity(model, ids, segment_len=0)
 
 
+@pytest.mark.parametrize("protocol", ["streaming", "strided", "rolling"])
+@pytest.mark.parametrize("bad_id", [-1, "vocab"])
+def test_out_of_range_ids_name_the_id_and_the_vocabulary(protocol, bad_id, tokenizer, ids):
+    model = get_model("bilinear", len(tokenizer))
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = ids[:20].clone()
+    bad[7] = vocab if bad_id == "vocab" else bad_id
+    run = {"streaming": lambda x: ppl.streaming_perplexity(model, x, 8),
+           "strided": lambda x: ppl.strided_perplexity(model, x, 16, 8),
+           "rolling": lambda x: ppl.rolling_perplexity(model, x, 16)}[protocol]
+    with pytest.raises(ValueError, match=rf"token id {bad[7]} at position 7 .* vocabulary of {vocab} ids .*tokenizer"):
+        run(bad)
+
+
+def test_empty_inputs_are_value_errors(tokenizer):
+    model = get_model("bilinear", len(tokenizer))
+    with pytest.raises(ValueError, match="at least 2 tokens.*got 0"):
+        ppl.streaming_perplexity(model, [], 8)
+    with pytest.raises(ValueError, match="zero tokens.*non-empty text"):
+        ppl.evaluate_text(model, tokenizer, "")
+
+
 def test_metric_definitions_match_lm_eval_wikitext():
     from lm_eval.tasks.wikitext.preprocess_wikitext import process_results
 
@@ -195,15 +222,25 @@ def test_cli_writes_table_and_json(model_type, ckpts, text_file, text, tmp_path,
     assert set(res) == expected_modes
     if model_type == "llama":
         assert "streaming skipped" in printed.err and "--mode strided" in printed.err
-    # independent recomputation from the saved checkpoint
-    model, tok = ppl.load_model_and_tokenizer(str(ckpts[model_type]))
-    ids = ppl.encode_text(tok, text)
-    nll, n = ppl.strided_perplexity(model, ids, 64, 32)
+    # independent recomputation from the saved checkpoint, loaded with transformers: every token t is scored
+    # by its own fp64 forward over the context of the first window that scores it (windows of 64, stride 32)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(ckpts[model_type], dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(ckpts[model_type])
+    x = [tok.eos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+    nll = 0.0
+    with torch.no_grad():
+        for t in range(1, len(x)):
+            k = max(0, (t - 64) // 32 + 1)
+            logits = model(input_ids=torch.tensor([x[k * 32 : t]])).logits[0, -1]
+            nll -= float(torch.log_softmax(logits, -1)[x[t]])
     r = res["strided"]
-    stats = ppl.text_stats(text)
-    assert (r["tokens"], r["words"], r["bytes"]) == (n, stats["words"], stats["bytes"])
-    assert r["nll"] == pytest.approx(nll, rel=1e-6)
-    assert r["word_perplexity"] == pytest.approx(math.exp(nll / stats["words"]), rel=1e-6)
+    words, n_bytes = len(re.split(r"\s+", text)), len(text.encode("utf-8"))
+    assert (r["tokens"], r["words"], r["bytes"]) == (len(x) - 1, words, n_bytes)
+    assert r["nll"] == pytest.approx(nll, rel=1e-5)  # the CLI runs the model in float32
+    assert r["word_perplexity"] == pytest.approx(math.exp(nll / words), rel=1e-5)
+    assert r["bits_per_byte"] == pytest.approx(nll / n_bytes / math.log(2), rel=1e-5)
     if model_type == "bilinear":
         # streaming sees the full context, strided only <= 64 tokens: different but both finite
         assert math.isfinite(res["streaming"]["token_perplexity"])
@@ -228,3 +265,9 @@ def test_cli_errors(ckpts, text_file, tmp_path):
     empty.write_text("  \n")
     with pytest.raises(SystemExit, match="empty"):
         ppl.main(["--model", ck, "--file", str(empty)])
+    # a tokenizer with a larger vocabulary than the model's
+    small = tmp_path / "small_vocab"
+    save_tiny_checkpoint(small, "bilinear", tokenizer=cached_tokenizer(vocab_size=300), seed=2)
+    with pytest.raises(SystemExit, match=r"error: token id \d+ at position \d+ is outside the model's vocabulary of "
+                                         r"300 ids"):
+        ppl.main(["--model", str(small), "--tokenizer", ck, "--file", str(text_file), "--mode", "strided"])

@@ -54,8 +54,8 @@ def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
     args = ["--models", "bilinear-conv-write,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
             "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
             "--state-size", "4", "--num-heads", "2", "--output-dir", str(tmp_path)]
-    runs = main(args)
+    assert main(args) == 0
+    runs = json.loads((tmp_path / "results.json").read_text())
     assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
-    assert json.loads((tmp_path / "results.json").read_text()) == runs
     assert "| bilinear-conv-write |" in (tmp_path / "table.md").read_text()
-    assert main(args) == runs  # resumed: nothing is run again
+    assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun

@@ -1,4 +1,5 @@
-"""Modeling code; this folder is copied verbatim as remote code by ``save_pretrained``."""
+"""Modeling code. ``save_pretrained`` copies the config and model modules and their relative imports (not this
+``__init__``) as remote code, so these modules import only torch, transformers and each other."""
 
 from .configuration_bilinear import BilinearConfig
 from .modeling_bilinear import BilinearCache, BilinearForCausalLM, BilinearModel, BilinearPreTrainedModel

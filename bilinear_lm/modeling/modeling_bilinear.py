@@ -1,7 +1,7 @@
 """Bilinear recurrent language model: Mixer -> Block -> BilinearModel -> BilinearForCausalLM.
 
-This folder is what ``save_pretrained`` copies as remote code: it imports only torch, transformers and
-same-folder modules.
+``save_pretrained`` copies this module and its relative imports as remote code: it imports only torch,
+transformers and same-folder modules.
 """
 
 import math

@@ -1,6 +1,7 @@
 """Offline datasets for the local lm-eval tasks (wikitext2_local, lambada_openai_local).
 
-Data directory: $BILINEAR_LM_DATA_DIR, default <repo>/../shared/data. Files used:
+Data directory: $BILINEAR_LM_DATA_DIR, default ``../shared/data`` relative to the current directory (the repo
+root in the README's commands). Files used:
 ``wikitext-2-raw/wiki.{valid,test}.raw`` and ``lambada/lambada_test.jsonl``.
 """
 from __future__ import annotations
@@ -11,21 +12,21 @@ import re
 from pathlib import Path
 
 DATA_ENV = "BILINEAR_LM_DATA_DIR"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATA_DIR = Path("..") / "shared" / "data"
 _TOP_HEADING = re.compile(r"^ = [^=].* = \n?$")  # " = Title = " (sections are " = = Section = = ")
 
 
 def data_dir() -> Path:
-    d = Path(os.environ.get(DATA_ENV) or (_REPO_ROOT.parent / "shared" / "data"))
+    d = Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR)
     if not d.is_dir():
-        raise FileNotFoundError(f"data directory {d} not found; set {DATA_ENV}=/path/to/shared/data")
+        raise FileNotFoundError(f"data directory {d.resolve()} not found; set {DATA_ENV}=/path/to/shared/data")
     return d
 
 
 def _need(path: Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; set {DATA_ENV} to the directory holding "
-                                "wikitext-2-raw/ and lambada/ (default <repo>/../shared/data)")
+                                "wikitext-2-raw/ and lambada/ (default ../shared/data)")
     return path
 
 

@@ -1,0 +1,1 @@
+"""Benchmark scripts (``python benchmarks/speed.py``), installed as ``bilinear_lm.benchmarks``."""
