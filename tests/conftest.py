@@ -1,9 +1,13 @@
 """Shared test fixtures: the offline data directory and a tiny model config."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # run the Triton kernels on CPU tensors (set before they are first imported)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"

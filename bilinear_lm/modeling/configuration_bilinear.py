@@ -5,7 +5,7 @@ from transformers import PreTrainedConfig
 MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
 ACTIVATIONS = ("silu", "gelu", "relu")
 GATE_ACTIVATIONS = ("silu", "sigmoid")
-RECURRENCE_IMPLS = ("auto", "cpp", "torch", "reference")
+RECURRENCE_IMPLS = ("auto", "cpp", "triton", "torch", "reference")
 
 
 class BilinearConfig(PreTrainedConfig):
@@ -29,10 +29,11 @@ class BilinearConfig(PreTrainedConfig):
     normalization then changes the outputs.
 
     `recurrence_impl` picks how the CP recurrence runs (`ops.resolve_impl` decides; every other mixer type, and CP
-    with `additive_input`, always runs the plain loop): `"cpp"` (a C++ CPU kernel), `"torch"` (a PyTorch scan, any
-    device), `"reference"` (the plain loop that specifies it) or `"auto"`: the kernel on CPU when it builds, else the
-    PyTorch scan, but the plain loop for one position and when `rank > 2 * state_size` (the scans work in rank space
-    at `rank^2` per step, the loop at `2 * rank * state_size`).
+    with `additive_input`, always runs the plain loop): `"cpp"` (a C++ CPU kernel), `"triton"` (Triton GPU kernels),
+    `"torch"` (a PyTorch scan, any device), `"reference"` (the plain loop that specifies it) or `"auto"`: Triton on
+    CUDA when it imports, the C++ kernel on CPU when it builds, else the PyTorch scan; but the plain loop for one
+    position, and on CPU when `rank > 2 * state_size` (the scans work in rank space at `rank^2` per step, the loop
+    at `2 * rank * state_size`).
 
     `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input
     (zero-initialized, so training starts from the model without it; `0` disables it). It leaves the recurrence

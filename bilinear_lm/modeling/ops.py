@@ -3,7 +3,8 @@
 * :func:`recurrence` runs a whole sequence, ``(transition, factors, h0, mask, chunk, offset) -> (states, final)``:
   the CP transition (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other
   transition the reference loop. :func:`resolve_impl` picks the scan: ``"cpp"`` (``cpu_kernels``, CPU fp32/fp64),
-  ``"torch"`` (``torch_scan``, any device) or ``"reference"`` (the loop itself).
+  ``"triton"`` (``triton_scan``, CUDA; imported only when chosen), ``"torch"`` (``torch_scan``, any device) or
+  ``"reference"`` (the loop itself).
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
 * :func:`fused_decode_weights` decides whether a decoding step of a block runs as one compiled call.
 
@@ -24,20 +25,34 @@ from .torch_scan import scan_forward as torch_scan_forward
 def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
     """The implementation that runs the CP recurrence on ``u`` ``[B, T, N, R]``: one of ``IMPLS`` but ``"auto"``.
 
-    ``"auto"``: the C++ kernel on CPU when it builds here, else the PyTorch scan; but the reference loop for a
-    single position (the scans' setup costs more than one step) and when ``rank > 2 * state_size`` (the scans cost
-    ``rank^2`` per step, the loop ``2 * rank * state_size``).
+    ``"auto"``: the Triton kernels on CUDA when Triton imports, the C++ kernel on CPU when it builds here, else the
+    PyTorch scan; but the reference loop for a single position (the scans' setup costs more than one step) and, off
+    the GPU, when ``rank > 2 * state_size`` (the scans cost ``rank^2`` per step, the loop ``2 * rank * state_size``).
     """
     if impl not in IMPLS:
         raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        if u.shape[1] == 1 or u.shape[-1] > 2 * state_size:
+        if u.shape[1] == 1:
+            return "reference"
+        if u.is_cuda and _triton_available(u.device.type):
+            return "triton"
+        if u.shape[-1] > 2 * state_size:
             return "reference"
         return "cpp" if kernel_available_for(u) else "torch"
     if impl == "cpp" and not kernel_available_for(u):
         raise RuntimeError("recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel "
                            "build; use recurrence_impl='auto' or 'torch'")
+    if impl == "triton" and not _triton_available(u.device.type):
+        raise RuntimeError("recurrence_impl='triton' needs CUDA tensors and Triton (pip install triton; on CPU only "
+                           "under TRITON_INTERPRET=1); use recurrence_impl='auto' or 'torch'")
     return impl
+
+
+@torch.compiler.assume_constant_result
+def _triton_available(device_type: str) -> bool:
+    from .triton_scan import available  # imported only here: CPU-only use never loads Triton
+
+    return available(device_type)
 
 
 def _scan_functions(impl: str):
@@ -45,6 +60,10 @@ def _scan_functions(impl: str):
     if impl == "cpp":
         kernel = load_kernel()
         return kernel.scan_forward, kernel.scan_backward
+    if impl == "triton":
+        from .triton_scan import scan_backward, scan_forward
+
+        return scan_forward, scan_backward
     return torch_scan_forward, torch_scan_backward
 
 
@@ -56,7 +75,7 @@ _NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
 def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
             offset: int, restart: torch.Tensor, p_start: torch.Tensor,
             impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rank-space scan ``(G, P, S)`` of ``torch_scan.scan_forward``, run by ``impl`` (``"torch"`` or ``"cpp"``)."""
+    """The rank-space scan ``(G, P, S)`` of ``torch_scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
     return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
 
 

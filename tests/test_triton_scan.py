@@ -1,0 +1,114 @@
+"""The Triton scan against the PyTorch scan and the reference loop (on CPU under Triton's interpreter, which
+conftest.py turns on when there is no GPU), and a compile check of the kernels for an H100 (sm_90)."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from functools import partial
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from bilinear_lm.modeling import torch_scan, triton_scan  # noqa: E402
+from bilinear_lm.modeling.ops import cp_recurrence  # noqa: E402
+from bilinear_lm.modeling.recurrence import cp_transition, reference_recurrence  # noqa: E402
+
+
+def relative_error(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("T,B,R,H,chunk,offset,masked,restarts,scale,dtype", [
+    (1, 3, 6, 6, 1, 0, False, False, 1.0, torch.float32),
+    (33, 19, 7, 5, 4, 1, True, True, 1.0, torch.float64),  # B not a multiple of the 16-row block; R, H odd
+    (65, 3, 20, 9, 16, 5, True, False, 1e4, torch.float64),  # every row overflows: the guard redoes segments
+    (40, 5, 6, 6, 16, 0, False, True, 1e-4, torch.float64),  # every row underflows
+    (33, 17, 18, 33, 0, 0, True, True, 1.0, torch.float32),  # no normalization; R, H past a power of two
+])
+def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, restarts, scale, dtype):
+    g = torch.Generator().manual_seed(T + B)
+    N = 2
+    u = (1 + 0.5 * torch.randn(T, N, B, R, generator=g, dtype=dtype)) * scale
+    W1 = torch.randn(N, H, R, generator=g, dtype=dtype) / R ** 0.5
+    Mt = torch.einsum("nhr,nhs->nrs", W1, torch.randn(N, H, R, generator=g, dtype=dtype) / H ** 0.5).contiguous()
+    p0 = torch.randn(N, B, R, generator=g, dtype=dtype)
+    keep = torch.rand(T, B, generator=g) > 0.3 if masked else torch.empty(0, dtype=torch.bool)
+    restart = torch.rand(T, B, generator=g) > 0.8 if restarts else torch.empty(0, dtype=torch.bool)
+    if masked and restarts:
+        restart &= keep
+    p_start = torch.randn(N, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    expected = torch_scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    got = triton_scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    for name, a, b in zip("GPS", got, expected):
+        assert relative_error(a, b) < tol, name
+    dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
+    MtT = Mt.transpose(1, 2).contiguous()
+    filled = [[torch.empty_like(u), torch.empty_like(u)] for _ in range(2)]
+    expected = [*torch_scan.scan_backward(dG, su, MtT, keep, restart, *filled[0]), *filled[0]]
+    got = [*triton_scan.scan_backward(dG, su, MtT, keep, restart, *filled[1]), *filled[1]]
+    for name, a, b in zip(["dp0", "dp_start", "DGT", "DP"], got, expected):
+        assert relative_error(a, b) < tol, name
+
+
+def test_triton_recurrence_equals_the_reference_loop_with_every_gradient():
+    B, T, N, H, R = 3, 37, 2, 5, 7
+    g = torch.Generator().manual_seed(0)
+    u = (1 + 0.5 * torch.randn(B, T, N, R, generator=g, dtype=torch.float64)).requires_grad_()
+    W1 = torch.randn(N, H, R, generator=g, dtype=torch.float64).div(R ** 0.5).requires_grad_()
+    W2 = torch.randn(N, H, R, generator=g, dtype=torch.float64).div(H ** 0.5).requires_grad_()
+    h0 = torch.randn(B, N, H, generator=g, dtype=torch.float64).requires_grad_()
+    h_start = torch.randn(N, H, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :6] = 0
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[0, [4, 20]] = reset[2, 0] = True
+    inputs = [u, W1, W2, h0, h_start]
+    results = [f(u, W1, W2, h0, mask, 8, 3, reset=reset, h_start=h_start) for f in (
+        partial(cp_recurrence, impl="triton"),
+        lambda u, W1, W2, *args, **kw: reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, *args, **kw))]
+    weights = torch.randn_like(results[0][0])
+    grads = [torch.autograd.grad((s * weights).sum() + f.sum(), inputs) for s, f in results]
+    assert relative_error(results[0][0], results[1][0]) < 1e-11
+    for name, got, want in zip(["u", "W1", "W2", "h0", "h_start"], *grads):
+        assert relative_error(got, want) < 1e-10, name
+
+
+def test_explicit_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    u = torch.ones(1, 4, 1, 2)
+    with pytest.raises(RuntimeError, match="recurrence_impl='triton' needs CUDA tensors and Triton"):
+        cp_recurrence(u, torch.ones(1, 2, 2), torch.ones(1, 2, 2), torch.ones(1, 2), impl="triton")
+
+
+def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
+    """``triton.compile`` for sm_90 (ptxas ships with Triton; no GPU needed) at every padded rank the kernels use."""
+    script = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from bilinear_lm.modeling import triton_scan as ts
+
+        common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
+        forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",
+                                              "S_ptr"]}, **common, **{a: "i32" for a in "T N B R H chunk offset".split()}}
+        backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "DGT_ptr", "DP_ptr", "dp0_ptr",
+                                               "dps_ptr"]}, **common, **{a: "i32" for a in "T N B R".split()}}
+        for RP in (16, 32, 64, 128):
+            flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP}
+            for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP}),
+                                              (ts._backward_kernel, backward, flags)):
+                source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)
+                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ts.num_warps(RP)})
+        print("compiled")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**env, "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_CACHE_DIR": str(tmp_path)})  # ptxas reruns
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", result.stdout)]
+    assert len(spills) == 8 and not any(spills), result.stdout[-3000:]
