@@ -35,3 +35,14 @@ def test_unknown_values_are_named(flag, value, capsys):
         speed.main([flag, value])
     err = capsys.readouterr().err
     assert f"{flag}: unknown value {value!r}" in err and "choose from" in err
+
+
+def test_gpu_benchmark_says_it_needs_a_gpu(capsys, monkeypatch):
+    from benchmarks import gpu
+
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
+    assert gpu.main(["--parts", "scan"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.main(["--parts", "scan,warp"])
+    assert "unknown ['warp']" in capsys.readouterr().err
