@@ -2,9 +2,12 @@
 
 Each program runs one head for a block of ``BLOCK_B`` batch rows over the whole sequence: ``M^T`` and ``W1^T`` stay
 on-chip, the state ``p`` in registers, and every step is one ``tl.dot([rows, R], [R, R])``. The chunked
-normalization and the overflow guard run in the kernel (no host synchronization): a segment in which a row's
-peak ``|g|`` leaves ``(SAFE_MIN, SAFE_MAX)`` or turns NaN is recomputed for those rows, normalizing every step.
-Computation is in fp32 (fp64 for fp64 inputs); rank and state are padded to powers of two >= 16 with masks.
+normalization and the overflow guard run in the kernel (no host synchronization): a segment in which a row's peak
+``|g|`` leaves ``(SAFE_MIN, SAFE_MAX)`` or turns NaN is recomputed for those rows, normalizing every step.
+Computation is in fp32 (fp64 for fp64 inputs) with Triton's default dot precision: TF32 on tensor cores for fp32,
+as in fla's kernels (the normalized recurrence does not amplify its rounding; 3xTF32 or IEEE products spill
+registers from rank 64 up). Triton's interpreter computes the products exactly. Rank and state are padded to
+powers of two >= 16 with masks.
 """
 
 import os
