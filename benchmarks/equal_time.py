@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="shakespeare-char", help="a YAML preset in bilinear_lm/configs")
     parser.add_argument("--run", action="append", dest="runs", help="LABEL=TRAIN_OVERRIDES (repeatable)")
     parser.add_argument("--budgets", default="75,180", help="training seconds per run")
+    parser.add_argument("--steps", type=int, help="equal steps instead: every run trains this many steps, no "
+                        "calibration (a machine busy with other work then changes no result)")
     parser.add_argument("--seeds", default="1337", help="train.py --seed values; every budget runs every seed")
     parser.add_argument("--evals", type=int, default=8, help="validation points per run (for the plot)")
     parser.add_argument("--calibration-steps", type=int, default=60, help="steps of the step-time calibration run")
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
     preset = PRESETS / f"{args.preset}.yaml"
     if not preset.exists():
         raise SystemExit(f"--preset {args.preset!r}: no {preset}; presets: {sorted(p.stem for p in PRESETS.glob('*.yaml'))}")
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")] if args.steps is None else [args.steps]
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = [parse_run(spec) for spec in (args.runs or DEFAULT_RUNS)]
     threads = 1 if args.jobs > 1 else None
@@ -97,12 +99,15 @@ def main(argv=None) -> int:
         rows, curves, jobs = [], {}, []
         for label, overrides in runs:  # calibrations: one at a time, on an idle machine
             extra = ["--log_interval", str(args.log_interval), *overrides]
-            calib = train(preset, work / f"{label}-calib", args.calibration_steps, 0, extra, None)
-            step_s = seconds_per_step(calib)
-            logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up interval
-            rows.append((label, parameter_count(work / f"{label}-calib"), step_s, sum(logged) / len(logged)))
+            if args.steps is None:
+                calib = train(preset, work / f"{label}-calib", args.calibration_steps, 0, extra, None)
+                step_s = seconds_per_step(calib)
+                logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up
+                rows.append((label, parameter_count(work / f"{label}-calib"), step_s, sum(logged) / len(logged)))
+            else:
+                rows.append((label, None, None, None))
             for budget in budgets:
-                steps = max(5, int(budget / step_s))
+                steps = budget if args.steps is not None else max(5, int(budget / step_s))
                 for seed in seeds:
                     jobs.append((label, budget, seed, steps, [*extra, "--seed", str(seed)]))
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -115,10 +120,14 @@ def main(argv=None) -> int:
             print(f"{label}: {budget} s budget = {steps} steps, seed {seed} -> val loss {evals[-1]['val_loss']:.3f}",
                   flush=True)
             if budget == max(budgets) and seed == seeds[0]:
-                step_s = next(r[2] for r in rows if r[0] == label)
+                step_s = next(r[2] for r in rows if r[0] == label) or 1.0  # --steps: plot against steps
                 curves[label] = [(r["step"] * step_s, r["val_loss"]) for r in evals]
+            if args.steps is not None and budget == budgets[0] and seed == seeds[0]:
+                i = next(i for i, r in enumerate(rows) if r[0] == label)
+                rows[i] = (label, parameter_count(work / f"{label}-{budget}-seed{seed}"), None, None)
 
-    header = "| run | params | tokens/s | ms/step | " + " | ".join(f"val loss @{b} s" for b in budgets) + " |"
+    unit = "steps" if args.steps is not None else "s"
+    header = "| run | params | tokens/s | ms/step | " + " | ".join(f"val loss @{b} {unit}" for b in budgets) + " |"
     lines = [header, "|" + "---|" * (4 + len(budgets))]
     for label, params, step_s, tokens_per_sec in rows:
         cells = []
@@ -126,15 +135,16 @@ def main(argv=None) -> int:
             vals = losses[(label, b)]
             mean = sum(vals) / len(vals)
             cells.append(f"**{mean:.3f}**" + (f" ({', '.join(f'{v:.3f}' for v in vals)})" if len(vals) > 1 else ""))
-        lines.append(f"| {label} | {params / 1e6:.2f}M | {tokens_per_sec:.0f} | {step_s * 1e3:.1f} | "
-                     + " | ".join(cells) + " |")
-    reference = NANOGPT.get(args.preset, {})
+        speed = f"{tokens_per_sec:.0f} | {step_s * 1e3:.1f}" if step_s else "- | -"
+        lines.append(f"| {label} | {params / 1e6:.2f}M | {speed} | " + " | ".join(cells) + " |")
+    reference = NANOGPT.get(args.preset, {}) if args.steps is None else {}
     if reference:
         lines.append("| nanoGPT CPU recipe (reference) | 0.80M | 22,800 | 33.7 | "
                      + " | ".join(f"{reference[b]:.3f}" if b in reference else "-" for b in budgets) + " |")
     runs_note = "; ".join(f"{label}: `{' '.join(o) or '(preset)'}`" for label, o in runs)
-    note = (f"Preset `{args.preset}`; seeds {seeds}. Each budget is a separate run of `budget / calibrated step time` "
-            f"steps whose cosine schedule ends there; validation = the whole held-out split. Runs: {runs_note}.")
+    how = ("Each budget is a separate run of `budget / calibrated step time` steps whose cosine schedule ends there"
+           if args.steps is None else f"Every run trains {args.steps} steps (equal data, not equal time)")
+    note = f"Preset `{args.preset}`; seeds {seeds}. {how}; validation = the whole held-out split. Runs: {runs_note}."
     table = "\n".join(lines + ["", note])
     print("\n" + table)
     if args.plot:
@@ -146,7 +156,7 @@ def main(argv=None) -> int:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, points in curves.items():
             ax.plot(*zip(*points), marker="o", label=name)
-        ax.set_xlabel("training seconds (calibrated, 2 CPU cores)")
+        ax.set_xlabel("training seconds (calibrated, 2 CPU cores)" if args.steps is None else "steps")
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title(args.preset)
         ax.legend()
