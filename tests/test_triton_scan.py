@@ -99,7 +99,8 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
         backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "DGT_ptr", "DP_ptr", "dp0_ptr",
                                                "dps_ptr"]}, **common, **{a: "i32" for a in "T N B R".split()}}
         for RP in (16, 32, 64, 128):
-            flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP}
+            flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP,
+                     "PRECISION": ts.dot_precision(RP)}
             for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP}),
                                               (ts._backward_kernel, backward, flags)):
                 source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)

@@ -4,10 +4,9 @@ Each program runs one head for a block of ``BLOCK_B`` batch rows over the whole 
 on-chip, the state ``p`` in registers, and every step is one ``tl.dot([rows, R], [R, R])``. The chunked
 normalization and the overflow guard run in the kernel (no host synchronization): a segment in which a row's peak
 ``|g|`` leaves ``(SAFE_MIN, SAFE_MAX)`` or turns NaN is recomputed for those rows, normalizing every step.
-Computation is in fp32 (fp64 for fp64 inputs) with Triton's default dot precision: TF32 on tensor cores for fp32,
-as in fla's kernels (the normalized recurrence does not amplify its rounding; 3xTF32 or IEEE products spill
-registers from rank 64 up). Triton's interpreter computes the products exactly. Rank and state are padded to
-powers of two >= 16 with masks.
+Computation is in fp32 (fp64 for fp64 inputs); the products are exact fp32 up to rank 64 and TF32 on tensor cores
+above (``dot_precision``: IEEE products spill registers there). Triton's interpreter computes them exactly. Rank
+and state are padded to powers of two >= 16 with masks.
 """
 
 import os
@@ -38,8 +37,14 @@ def _padded(n: int) -> int:
 
 
 def num_warps(padded_rank: int) -> int:
-    """Warps per program: 8 from rank 128 up, where 4 warps spill the on-chip M^T and W1^T (ptxas, sm_90)."""
-    return 8 if padded_rank >= 128 else 4
+    """Warps per program: 8 from rank 64 up, so that the on-chip M^T never spills registers (ptxas, sm_90, tested)."""
+    return 8 if padded_rank >= 64 else 4
+
+
+def dot_precision(padded_rank: int) -> str:
+    """Exact fp32 products (``"ieee"``) up to rank 64; TF32 on tensor cores above, where IEEE products spill
+    registers (ptxas, sm_90, tested) and TF32 does not."""
+    return "ieee" if padded_rank <= 64 else "tf32"
 
 
 if triton is not None:
@@ -48,7 +53,7 @@ if triton is not None:
     @triton.jit
     def _segment(u_ptr, G_ptr, P_ptr, S_ptr, keep_ptr, restart_ptr, p, mt, w1t, p_start, n, rows, row_ok, cols,
                  col_ok, redo, store, t0, t1, N, B, R, chunk, offset, HAS_KEEP: tl.constexpr,
-                 HAS_RESTART: tl.constexpr):
+                 HAS_RESTART: tl.constexpr, PRECISION: tl.constexpr):
         """Steps [t0, t1) for the block's rows -> (p after the last step, rows whose |g| stayed in range).
 
         ``redo`` rows normalize at every step; only ``store`` rows write G, P and S."""
@@ -68,7 +73,7 @@ if triton is not None:
                 keep = row_ok | (row_ok == 0)
             boundary = (chunk > 0) & ((offset + t + 1) % tl.maximum(chunk, 1) == 0)
             normalize = (redo | boundary) & keep
-            h = tl.dot(g, w1t)  # [rows, H]: the state whose norm is divided out
+            h = tl.dot(g, w1t, input_precision=PRECISION)  # [rows, H]: the state whose norm is divided out
             norm = tl.sqrt(tl.sum(h * h, axis=1))
             tiny = tl.full(norm.shape, 1.1754943508222875e-38, norm.dtype)
             s = tl.where(normalize, 1.0 / tl.maximum(norm, tiny), 1.0)
@@ -78,13 +83,13 @@ if triton is not None:
             peak = tl.max(tl.where(col_ok[None, :], tl.abs(g), 0.0), axis=1)
             nan = tl.max((g != g).to(tl.int32), axis=1) > 0
             ok = ok & (peak < _SAFE_MAX) & (peak > _SAFE_MIN) & (nan == 0)
-            p = tl.where(keep[:, None], tl.dot(g, mt), p)
+            p = tl.where(keep[:, None], tl.dot(g, mt, input_precision=PRECISION), p)
         return p, ok | (row_ok == 0)
 
     @triton.jit
     def _forward_kernel(u_ptr, mt_ptr, w1t_ptr, keep_ptr, p0_ptr, restart_ptr, p_start_ptr, G_ptr, P_ptr, S_ptr,
                         T, N, B, R, H, chunk, offset, HAS_KEEP: tl.constexpr, HAS_RESTART: tl.constexpr,
-                        BLOCK_B: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr):
+                        BLOCK_B: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, PRECISION: tl.constexpr):
         n = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < B
@@ -109,12 +114,12 @@ if triton is not None:
                 t1 = tl.minimum(T, t0 + chunk - (offset + t0) % chunk)
             first, ok = _segment(u_ptr, G_ptr, P_ptr, S_ptr, keep_ptr, restart_ptr, p, mt, w1t, p_start, n, rows,
                                  row_ok, cols, col_ok, no_rows, row_ok, t0, t1, N, B, R, chunk, offset, HAS_KEEP,
-                                 HAS_RESTART)
+                                 HAS_RESTART, PRECISION)
             if (chunk > 0) & (tl.sum((ok == 0).to(tl.int32)) > 0):
                 redo = ok == 0
                 again, _ = _segment(u_ptr, G_ptr, P_ptr, S_ptr, keep_ptr, restart_ptr, p, mt, w1t, p_start, n, rows,
                                     row_ok, cols, col_ok, redo, redo & row_ok, t0, t1, N, B, R, chunk, offset,
-                                    HAS_KEEP, HAS_RESTART)
+                                    HAS_KEEP, HAS_RESTART, PRECISION)
                 first = tl.where(redo[:, None], again, first)
             p = first
             t0 = t1
@@ -124,7 +129,7 @@ if triton is not None:
     @triton.jit
     def _backward_kernel(dG_ptr, su_ptr, mtt_ptr, keep_ptr, restart_ptr, DGT_ptr, DP_ptr, dp0_ptr, dps_ptr,
                          T, N, B, R, HAS_KEEP: tl.constexpr, HAS_RESTART: tl.constexpr, BLOCK_B: tl.constexpr,
-                         RP: tl.constexpr):
+                         RP: tl.constexpr, PRECISION: tl.constexpr):
         n = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < B
@@ -144,7 +149,7 @@ if triton is not None:
             else:
                 keep = row_ok | (row_ok == 0)
             dp_in = tl.where(keep[:, None], dp, 0.0)
-            dgt = tl.load(dG_ptr + tile, mask=tile_ok, other=0.0).to(dtype) + tl.dot(dp_in, mtt)
+            dgt = tl.load(dG_ptr + tile, mask=tile_ok, other=0.0).to(dtype) + tl.dot(dp_in, mtt, input_precision=PRECISION)
             tl.store(DP_ptr + tile, dp_in, mask=tile_ok)
             tl.store(DGT_ptr + tile, dgt, mask=tile_ok)
             dp = tl.load(su_ptr + tile, mask=tile_ok, other=0.0).to(dtype) * dgt + tl.where(keep[:, None], 0.0, dp)
@@ -169,7 +174,7 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start)
         p0.contiguous(), restart.to(torch.int8) if restart.numel() else dummy,
         p_start.contiguous() if restart.numel() else u.new_empty(1), G, P, S, T, N, B, R, H, chunk, offset,
         HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, BLOCK_B=BLOCK_B, RP=_padded(R), HP=_padded(H),
-        num_warps=num_warps(_padded(R)))
+        PRECISION=dot_precision(_padded(R)), num_warps=num_warps(_padded(R)))
     return G, P, S
 
 
@@ -182,5 +187,5 @@ def scan_backward(dG, su, MtT, keep, restart, DGT, DP):
         dG.contiguous(), su.contiguous(), MtT.contiguous(), keep.to(torch.int8) if keep.numel() else dummy,
         restart.to(torch.int8) if restart.numel() else dummy, DGT, DP, dp0, dp_start, T, N, B, R,
         HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, BLOCK_B=BLOCK_B, RP=_padded(R),
-        num_warps=num_warps(_padded(R)))
+        PRECISION=dot_precision(_padded(R)), num_warps=num_warps(_padded(R)))
     return dp0, dp_start
