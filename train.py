@@ -6,8 +6,9 @@ Single process, N GPUs (`accelerate launch --multi_gpu --num_processes N`), CPU 
 (`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2`) and FSDP
 (`accelerate launch --config_file bilinear_lm/configs/accelerate/fsdp.yaml`) all run this same file.
 
-Reads top to bottom: config -> checkpoints and the TrainState they carry -> metrics -> data -> model and optimizer
--> the training loop (log, evaluate, checkpoint) -> finish (save, plot, sample, lm-eval) -> main -> the CLI.
+Reads top to bottom: config -> checkpoints and the TrainState they carry -> metrics -> processes (all ranks fail
+together; the bf16-on-CPU check) -> data -> model and optimizer -> the training loop (log, evaluate, checkpoint)
+-> finish (save, plot, sample, lm-eval) -> main, which calls them in that order -> the command line.
 """
 from __future__ import annotations
 
