@@ -27,6 +27,24 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
+    "weight_decay": 0.0}]`` for any model of ``build_model``: the model's own ``optimizer_groups`` when it has one
+    (the bilinear LM), else weight decay on ``nn.Linear`` / ``nn.Embedding`` weights only (not on norms, biases,
+    convolutions, recurrent weights or SSM parameters). Tied weights appear once; frozen ones are left out."""
+    if hasattr(model, "optimizer_groups"):
+        return model.optimizer_groups(weight_decay)
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            is_matrix = isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight"
+            (decay if is_matrix else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def _meta_count(model_cls, config) -> int:
     with torch.device("meta"):
         return count_parameters(model_cls(config))

@@ -119,19 +119,19 @@ def test_config_preset_and_overrides_are_typed():
     assert cfg["block_size"] == 64 and cfg["batch_size"] == 12  # from the preset
     assert cfg["model"]["num_hidden_layers"] == 2 and cfg["model"]["state_size"] == 48
     assert cfg["model"]["use_mlp"] is False and cfg["model"]["mixer_type"] == "diagonal"
-    with pytest.raises(ValueError, match="expected int"):
+    with pytest.raises(train.TrainingInputError, match="expected int"):
         train.parse_config(["--max_steps", "many"])
 
 
 def test_config_unknown_keys_list_valid_keys(tmp_path):
     import train
 
-    with pytest.raises(SystemExit, match="unknown config key 'max_stepz'.*max_steps"):
+    with pytest.raises(train.TrainingInputError, match="unknown config key 'max_stepz'.*max_steps"):
         train.parse_config(["--max_stepz", "3"])
-    with pytest.raises(SystemExit, match="unknown model key 'hiden_size'.*hidden_size"):
+    with pytest.raises(train.TrainingInputError, match="unknown model key 'hiden_size'.*hidden_size"):
         train.parse_config(["--model.hiden_size", "3"])
     bad = _write(tmp_path / "bad.yaml", "max_steps: 3\nlearning_rat: 0.1\n")
-    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rat'\]"):
+    with pytest.raises(train.TrainingInputError, match=r"unknown key\(s\) \['learning_rat'\]"):
         train.parse_config(["--config", str(bad)])
 
 

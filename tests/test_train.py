@@ -55,6 +55,7 @@ class Runs:
 
     A: uninterrupted run. B: the identical run, SIGKILLed right after its first checkpoint (a watcher
     thread), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps.
+    DDP_FAIL: 2-rank CPU DDP whose main process fails while building the tokenizer (it fails within seconds).
     """
 
     def __init__(self, small_text, root):
@@ -66,15 +67,22 @@ class Runs:
         self.b = subprocess.Popen([sys.executable, "train.py", *tiny_args(small_text, self.b_dir)], cwd=REPO,
                                   env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.ddp = self._popen(
-            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-             "--main_process_port", str(_free_port()), "train.py",
+            self._ddp_launch() + ["train.py",
              *tiny_args(small_text, self.ddp_dir, max_steps=4, save_interval=2, eval_interval=2, eval_iters=2,
                         sample_tokens=0, log_shard_checksums="true")],
+            env={**ENV, "ACCELERATE_USE_CPU": "1"})
+        self.ddp_fail = self._popen(
+            self._ddp_launch() + ["train.py", *tiny_args(small_text, root / "ddp_fail", tokenizer="/nonexistent/dir")],
             env={**ENV, "ACCELERATE_USE_CPU": "1"})
         self.killed_records, self.resumed = None, None
         self.watcher = threading.Thread(target=self._kill_and_resume, daemon=True)
         self.watcher.start()
+
+    @staticmethod
+    def _ddp_launch():
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(_free_port())]
 
     @staticmethod
     def _popen(cmd, env=ENV):
@@ -99,7 +107,7 @@ class Runs:
 
     def stop(self):
         self.watcher.join(timeout=400)
-        for proc in (self.a, self.b, self.ddp, self.resumed):
+        for proc in (self.a, self.b, self.ddp, self.ddp_fail, self.resumed):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -180,35 +188,58 @@ def test_lstm_baseline_is_parameter_matched_and_its_loss_is_next_token_cross_ent
     ({"block_size": 100_000}, "fewer than block_size=100000"),
     ({"tokenizer": "/nonexistent/tokenizer_dir"}, "tokenizer path .* is not a directory"),
     ({"no_such_key": 1}, "unknown config key 'no_such_key'"),
+    ({"model.conv_width": 1}, "conv_width must be 0"),
+    ({"model.vocab_size": 10}, "--model.vocab_size 10 is smaller than the tokenizer"),
+    ({"eval_lm_harness": "lambada_openai"}, "--eval_lm_harness needs a tokenizer with an EOS token"),
+    ({"tokenizer": "GAPPED"}, r"token id 67 in the train data is outside the model's vocabulary of 58 ids .*"
+                              r"pass --model.vocab_size 68"),
 ])
 def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
+    """Bad input raises the dedicated errors (printed as one line by the CLI), before any training."""
     import train
+    from bilinear_lm.data import DataError
 
     if bad.get("train_file") == "EMPTY":
         (tmp_path / "empty.txt").write_text("")
         bad = {"train_file": str(tmp_path / "empty.txt")}
+    if bad.get("tokenizer") == "GAPPED":  # a local tokenizer whose last character's id is past its length
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        chars = sorted(set(Path(small_text).read_text()))
+        vocab = {c: i for i, c in enumerate(chars[:-1])} | {chars[-1]: len(chars) + 9}
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[]))).save_pretrained(
+            tmp_path / "gapped")
+        bad = {"tokenizer": str(tmp_path / "gapped")}
     bad = dict(bad)
     args = tiny_args(bad.pop("train_file", small_text), tmp_path / "out", **bad)
-    with pytest.raises((ValueError, SystemExit), match=message):
+    with pytest.raises((train.TrainingInputError, DataError), match=message):
         train.main(args)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatch):
     lm_harness = pytest.importorskip("bilinear_lm.lm_harness")
     import train
 
+    from transformers import AutoTokenizer
+
     calls = []
 
     def fake_run_lm_eval(model, tokenizer, tasks, limit=None, **kwargs):
+        """The real one's contract: a tokenizer with EOS; returns {task: {metric: value}}."""
+        assert tokenizer.eos_token_id is not None
         calls.append((type(model).__name__, len(tokenizer), tasks, limit))
-        return {"results": {t: {"acc": 0.5} for t in tasks}}
+        return {t: {"acc": 0.5, "acc_stderr": "N/A"} for t in tasks}
 
     monkeypatch.setattr(lm_harness, "run_lm_eval", fake_run_lm_eval)
     out = tmp_path / "out"
     train.main(tiny_args(small_text, out, max_steps=2, save_interval=0, eval_interval=0, sample_tokens=0,
+                         tokenizer="none", bpe_vocab_size=300,  # lm-eval needs an EOS token: the char one has none
                          eval_lm_harness="lambada_openai,arc_easy", lm_harness_limit=3))
-    assert calls == [("BilinearForCausalLM", len(set(Path(small_text).read_text())), ["lambada_openai", "arc_easy"], 3)]
-    assert json.loads((out / "lm_harness.json").read_text())["results"]["arc_easy"]["acc"] == 0.5
+    assert calls == [("BilinearForCausalLM", len(AutoTokenizer.from_pretrained(out)), ["lambada_openai", "arc_easy"], 3)]
+    assert json.loads((out / "lm_harness.json").read_text()) == {
+        t: {"acc": 0.5, "acc_stderr": "N/A"} for t in ("lambada_openai", "arc_easy")}
 
 
 # -------------------------------------------------- subprocess runs (started at module start, checked last)
@@ -229,6 +260,9 @@ def test_end_to_end_checkpoint_metrics_plot_and_sample(runs):
     assert records[-1]["final"] and records[-1]["params_identical_across_ranks"]
     assert (out / "loss.png").stat().st_size > 1000
     assert "--- sample" in stdout
+    assert "1 process (NO), global batch 4 sequences = batch_size 4 x 1 processes x 1 accumulation steps" in stdout
+    seconds = [r["train_seconds"] for r in records if "loss" in r]
+    assert all(0 < a < b for a, b in zip(seconds, seconds[1:]))
     assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
 
     # the saved model + tokenizer reproduce the logged final validation loss through a second code path
@@ -251,6 +285,12 @@ def test_sigkill_then_resume_reproduces_losses_exactly(runs):
     assert ckpts[0] == SAVE_EVERY
     assert "resumed from" in stdout
     a, b = read_metrics(runs.a_dir), read_metrics(runs.b_dir)
+    # the training clock is saved with the checkpoint: the resumed run's train_seconds continue from it
+    saved = json.loads((runs.b_dir / "checkpoints" / f"step_{SAVE_EVERY}" / "trainer_state.json").read_text())
+    assert saved["step"] == SAVE_EVERY and saved["train_seconds"] > 0
+    seconds = {r["step"]: r["train_seconds"] for r in b if "loss" in r}
+    assert seconds[SAVE_EVERY] <= saved["train_seconds"] < seconds[SAVE_EVERY + 1]
+    assert all(seconds[k] < seconds[k + 1] for k in range(1, MAX_STEPS))
     assert losses(b) == losses(a)  # bitwise, every step, fp32 and same seed
     assert losses(b, "val_loss") == losses(a, "val_loss")
     from safetensors.torch import load_file
@@ -260,14 +300,27 @@ def test_sigkill_then_resume_reproduces_losses_exactly(runs):
 
 
 def test_two_rank_cpu_ddp(runs):
-    runs.finish(runs.ddp)
+    stdout = runs.finish(runs.ddp)
     records = read_metrics(runs.ddp_dir)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:  # each rank got its own shard of the global batch
         assert len(r["shard_checksums"]) == 2 and r["shard_checksums"][0] != r["shard_checksums"][1]
         assert math.isfinite(r["loss"])
+    assert "2 processes (MULTI_CPU), global batch 8 sequences = batch_size 4 x 2 processes" in stdout
     final = records[-1]
     assert final["num_processes"] == 2 and final["params_identical_across_ranks"] is True
     assert {p.name for p in (runs.ddp_dir / "checkpoints" / "step_4").iterdir()} >= {
         "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "CHECKPOINT_COMPLETE"}
+
+
+def test_two_rank_cpu_ddp_fails_on_every_rank_when_the_main_one_fails(runs):
+    """The main process fails while building the tokenizer: the other rank learns it from a shared flag and stops
+    with its own one-line error. (Before, it waited in a barrier: here gloo noticed the closed connection and it
+    died with a RuntimeError traceback; where a barrier does not notice, e.g. NCCL, it waited forever.)"""
+    out, _ = runs.ddp_fail.communicate(timeout=120)
+    assert runs.ddp_fail.returncode != 0, out[-4000:]
+    assert "error: tokenizer path '/nonexistent/dir' is not a directory" in out, out[-4000:]
+    assert "error: building the tokenizer failed on process 0 (its error is printed above); stopping process 1 too" \
+        in out, out[-4000:]
+    assert "[rank1]: Traceback" not in out and "Connection closed by peer" not in out, out[-4000:]

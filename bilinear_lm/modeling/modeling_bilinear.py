@@ -418,6 +418,34 @@ class BilinearPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model builds its own recurrent cache
 
+    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups (nanoGPT's ``configure_optimizers``): ``[{"params": decay, "weight_decay":
+        weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``.
+
+        Decayed: the projection and embedding matrices (``nn.Linear`` / ``nn.Embedding`` weights), the transition
+        weights (``W1``, ``W2``, ``W``) and the short convolution's weight. Not decayed: norm weights (including the
+        state norm's scale), ``factor_bias`` (the input factors' offset, 1 at init), ``h0`` and ``c0`` (initial
+        states; the output is invariant to their scale). A parameter that no rule names is an error, so a new one
+        gets a decision. Tied weights appear once; frozen parameters are left out.
+        """
+        decay, no_decay, seen = [], [], set()
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if not param.requires_grad or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if (isinstance(module, (nn.Linear, nn.Embedding, BilinearShortConv)) and name == "weight") or \
+                        (isinstance(module, BilinearMixer) and name in ("W1", "W2", "W")):
+                    decay.append(param)
+                elif (isinstance(module, (BilinearRMSNorm, BilinearStateNorm)) and name == "weight") or \
+                        (isinstance(module, BilinearMixer) and name in ("factor_bias", "h0", "c0")) or \
+                        (isinstance(module, nn.Linear) and name == "bias"):
+                    no_decay.append(param)
+                else:
+                    raise ValueError(f"optimizer_groups: no weight-decay rule for parameter "
+                                     f"{module_name + '.' if module_name else ''}{name}; add one")
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
 
 class BilinearModel(BilinearPreTrainedModel):
     """Embeddings, a stack of bilinear blocks and a final norm (no positional embedding: the recurrence is ordered)."""

@@ -1,0 +1,274 @@
+"""train.py's parts in one process, without training: model keys, optimizer groups, TrainState, the bf16 warning,
+failing every rank together, the token-id check and the command line's error handling."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
+SMALL = {"hidden_size": 16, "num_hidden_layers": 2, "num_heads": 2, "state_size": 4, "rank": 4}
+
+
+# ------------------------------------------------------------------------------------------- model keys
+def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_them():
+    import train
+    from bilinear_lm.baselines import build_model
+
+    cfg = train.parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
+                              "--model.gate_activation", "sigmoid", "--model.reset_state_at_eos", "yes",
+                              "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
+    model = cfg["model"]
+    assert model["conv_width"] == 4 and type(model["conv_width"]) is int
+    assert model["write_channel"] is True and model["reset_state_at_eos"] is True  # bools, not the int 1 / "yes"
+    assert model["gate_activation"] == "sigmoid"
+    assert model["rms_norm_eps"] == 1e-6 and type(model["rms_norm_eps"]) is float
+    assert model["intermediate_size"] == 96
+    built = build_model("bilinear", {**model, "eos_token_id": 0}, vocab_size=65)
+    assert built.config.conv_width == 4 and built.config.write_channel is True
+    assert built.config.gate_activation == "sigmoid" and built.config.reset_state_at_eos is True
+    # a string-typed key keeps what YAML would turn into a bool; a bare flag is true
+    assert train.parse_config(["--model.gate_activation", "yes"])["model"]["gate_activation"] == "yes"
+    assert train.parse_config(["--model.write_channel"])["model"]["write_channel"] is True
+    assert train.parse_config(["--model.conv_width", "4.0"])["model"]["conv_width"] == 4
+    with pytest.raises(train.TrainingInputError, match="--model.write_channel: expected true/false, got 'maybe'"):
+        train.parse_config(["--model.write_channel", "maybe"])
+    with pytest.raises(train.TrainingInputError, match="--model.conv_width: expected int, got '4.5'"):
+        train.parse_config(["--model.conv_width", "4.5"])
+
+
+def test_preset_model_values_are_typed(tmp_path):
+    import train
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model:\n  hidden_size: 64\n  rms_norm_eps: 1e-6\n  write_channel: true\n")
+    model = train.parse_config(["--config", str(preset)])["model"]
+    assert model == {"hidden_size": 64, "rms_norm_eps": 1e-6, "write_channel": True}  # YAML reads 1e-6 as a string
+    assert type(model["rms_norm_eps"]) is float
+
+
+def test_help_lists_every_model_key_with_its_type(capsys):
+    import train
+
+    assert train.cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    for line in ("--model.conv_width             int    0", "--model.write_channel          bool   False",
+                 "--model.gate_activation        str    'silu'", "--model.reset_state_at_eos     bool   False",
+                 "--model.vocab_size             int    len(tokenizer)", "--max_steps"):
+        assert line in out
+
+
+# ------------------------------------------------------------------------------------- optimizer groups
+def _group_names(model, groups):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [sorted(names[id(p)] for p in g["params"]) for g in groups]
+
+
+def _expected_bilinear(layers, conv=False, write_channel=False, transition=("W1", "W2"), tied=True):
+    """Written out by hand from the rule (not derived from the code under test)."""
+    decay, no_decay = ["model.embed_tokens.weight"], ["model.norm.weight"]
+    if not tied:
+        decay.append("lm_head.weight")
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        decay += [p + "mixer.in_proj.weight", p + "mixer.out_proj.weight", p + "mlp.gate_up_proj.weight",
+                  p + "mlp.down_proj.weight", *(p + "mixer." + w for w in transition)]
+        no_decay += [p + "mixer_norm.weight", p + "mlp_norm.weight", p + "mixer.factor_bias", p + "mixer.h0",
+                     p + "mixer.state_norm.weight"]
+        if conv:
+            decay.append(p + "conv.weight")
+        if write_channel:
+            no_decay.append(p + "mixer.c0")
+    return [sorted(decay), sorted(no_decay)]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({}, dict()),
+    ({"conv_width": 4, "write_channel": True}, dict(conv=True, write_channel=True)),
+    ({"mixer_type": "full"}, dict(transition=("W",))),
+    ({"mixer_type": "diagonal"}, dict(transition=())),
+    ({"tie_word_embeddings": False}, dict(tied=False)),
+])
+def test_bilinear_optimizer_groups_by_name(extra, expected):
+    from bilinear_lm.baselines import build_model, optimizer_groups
+
+    model = build_model("bilinear", {**SMALL, **extra}, vocab_size=30)
+    groups = model.optimizer_groups(0.25)
+    assert [g["weight_decay"] for g in groups] == [0.25, 0.0]
+    assert _group_names(model, groups) == _expected_bilinear(2, **expected)
+    assert _group_names(model, optimizer_groups(model, 0.25)) == _group_names(model, groups)  # the one entry point
+
+
+def test_bilinear_optimizer_groups_skip_frozen_and_refuse_unknown_parameters():
+    from bilinear_lm.baselines import build_model
+
+    model = build_model("bilinear", SMALL, vocab_size=30)
+    model.model.layers[0].mixer.h0.requires_grad_(False)
+    assert "model.layers.0.mixer.h0" not in sum(_group_names(model, model.optimizer_groups(0.1)), [])
+    model.model.layers[1].mixer.new_thing = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="no weight-decay rule for parameter model.layers.1.mixer.new_thing"):
+        model.optimizer_groups(0.1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mamba", "lstm"])
+def test_baseline_optimizer_groups_decay_only_linear_and_embedding_weights(model_type):
+    from bilinear_lm.baselines import build_model, optimizer_groups
+
+    with torch.device("meta"):
+        model = build_model(model_type, SMALL, vocab_size=30)
+    decay, no_decay = _group_names(model, optimizer_groups(model, 0.1))
+    everything = sorted(n for n, p in model.named_parameters())
+    assert sorted(decay + no_decay) == everything
+    matrices = {"llama": ("_proj.weight", "embed_tokens.weight", "lm_head.weight"),
+                "mamba": ("in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight", "embeddings.weight",
+                          "lm_head.weight"),
+                "lstm": ("embed.weight", "head.weight")}[model_type]
+    assert decay == sorted(n for n in everything if n.endswith(matrices))
+    assert not any("norm" in n or n.endswith((".bias", "A_log", ".D", "conv1d.weight")) or n.startswith("lstm.")
+                   for n in decay)
+
+
+def test_train_py_builds_adamw_on_the_models_groups():
+    import train
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(
+        vocab={c: i for i, c in enumerate("abcdefghij")}, merges=[])))
+    accelerator = SimpleNamespace(num_processes=1)
+    for model_type, rule in (("bilinear", lambda m: _expected_bilinear(2, conv=True, write_channel=True)),
+                             ("llama", None)):
+        cfg = train.parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
+                                  *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
+                                  "--model.conv_width", "4", "--model.write_channel", "true"])
+        model, optimizer, scheduler = train.build_model_and_optimizer(cfg, accelerator, tokenizer)
+        groups = optimizer.param_groups
+        assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
+        names = _group_names(model, groups)
+        if rule is not None:
+            assert names == rule(model)
+        assert not any("norm" in n for n in names[0])
+
+
+# ------------------------------------------------------------------------------------------ TrainState
+def test_train_state_round_trips_and_reads_old_checkpoints(tmp_path):
+    import train
+
+    state = train.TrainState(step=5, epoch=1, batches_done=3, train_seconds=12.5)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 5, "epoch": 1, "batches_done": 3,
+                                                             "train_seconds": 12.5}))
+    assert train.TrainState.load(tmp_path) == state
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 5, "epoch": 1, "batches_done": 3}))
+    assert train.TrainState.load(tmp_path) == train.TrainState(step=5, epoch=1, batches_done=3, train_seconds=0.0)
+
+
+# ------------------------------------------------------------------------------------------ bf16 on CPU
+@pytest.mark.parametrize("native, warns", [(True, False), (False, True), (None, False)])
+def test_bf16_warning_on_a_cpu_without_native_bf16(monkeypatch, native, warns):
+    import train
+
+    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: native)
+    warning = train.bf16_cpu_warning("bf16", "cpu")
+    assert (warning is not None) == warns
+    if warns:
+        assert "14x slower" in warning and "--mixed_precision no" in warning
+    assert train.bf16_cpu_warning("no", "cpu") is None and train.bf16_cpu_warning("bf16", "cuda") is None
+
+
+def test_native_bf16_probe_reads_the_cpu_flags(tmp_path, monkeypatch):
+    import train
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_bf16 amx_tile\n")
+    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512vl avx512dq\n")
+    assert train.cpu_has_native_bf16(str(cpuinfo)) is False  # AVX512 alone: oneDNN emulates bf16
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # aarch64
+    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    # no flags to read: oneDNN's answer, when it says there is no bf16 path at all
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is None
+
+
+# ------------------------------------------------------------------------------------ failing together
+class FakeAccelerator:
+    """Rank `rank` of 2; `gather` answers with the given per-rank failure flags (the other rank's included)."""
+
+    def __init__(self, rank, other_failed):
+        self.num_processes, self.process_index, self.is_main_process = 2, rank, rank == 0
+        self.device, self.other_failed, self.gathers = "cpu", other_failed, 0
+
+    def gather(self, tensor):
+        self.gathers += 1
+        flags = [int(self.other_failed)] * 2
+        flags[self.process_index] = int(tensor.item())
+        return torch.tensor(flags)
+
+
+def test_a_rank_fails_when_the_main_process_failed_and_does_not_run_its_part():
+    import train
+
+    calls = []
+    with pytest.raises(train.TrainingInputError, match="building the tokenizer failed on process 0 .* stopping "
+                                                       "process 1 too"):
+        train.together(FakeAccelerator(1, other_failed=True), lambda: calls.append(1), "building the tokenizer",
+                       main_first=True)
+    assert calls == []
+
+
+def test_the_failed_rank_raises_its_own_error_and_success_everywhere_returns():
+    import train
+    from bilinear_lm.data import DataError
+
+    def fail():
+        raise DataError("tokenizer path is not a directory")
+
+    with pytest.raises(DataError, match="tokenizer path is not a directory"):
+        train.together(FakeAccelerator(0, other_failed=False), fail, "building the tokenizer", main_first=True)
+    ranks = [FakeAccelerator(0, other_failed=False), FakeAccelerator(1, other_failed=False)]
+    assert [train.together(acc, lambda: "tok", "x", main_first=True) for acc in ranks] == ["tok", "tok"]
+    assert ranks[0].gathers == ranks[1].gathers == 2  # every rank takes part in the same collectives
+    with pytest.raises(train.TrainingInputError, match="tokenizing failed on process 1"):
+        train.together(FakeAccelerator(0, other_failed=True), lambda: "tok", "tokenizing")
+
+
+# ------------------------------------------------------------------------------------ command-line errors
+def test_cli_prints_input_errors_as_one_line_and_keeps_tracebacks_of_bugs(monkeypatch, capsys, tmp_path):
+    import train
+
+    assert train.cli(["--max_stepz", "3"]) == 1
+    assert capsys.readouterr().err.startswith("error: unknown config key 'max_stepz'")
+
+    def internal_bug(*args, **kwargs):
+        raise ValueError("an internal error")
+
+    monkeypatch.setattr(train, "load_data", internal_bug)
+    with pytest.raises(ValueError, match="an internal error"):  # not swallowed into "error: ..."
+        train.cli(["--config", PRESET, "--output_dir", str(tmp_path)])
+
+
+def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
+    """A tokenizer whose ids are not below its length (a gap in its vocabulary)."""
+    import train
+    from datasets import Dataset, DatasetDict
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from bilinear_lm.data import tokenize_and_pack
+
+    vocab = {c: i for i, c in enumerate("abcd")} | {"e": 40}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))
+    assert len(tokenizer) == 5
+    raw = DatasetDict(train=Dataset.from_dict({"text": ["abcdabcde" * 4]}),
+                      validation=Dataset.from_dict({"text": ["abcdabcd" * 2]}))
+    blocks = tokenize_and_pack(raw, tokenizer, 8)
+    with pytest.raises(train.TrainingInputError, match=r"token id 40 in the train data is outside the model's "
+                                                       r"vocabulary of 5 ids .*--model.vocab_size 41"):
+        train.check_token_ids(blocks, 5)
+    train.check_token_ids(blocks, 41)
