@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         for (label, budget, seed, steps, _), records in zip(jobs, results):
             evals = [r for r in records if "val_loss" in r]
             losses.setdefault((label, budget), []).append(evals[-1]["val_loss"])
-            print(f"{label}: {budget} s budget = {steps} steps, seed {seed} -> val loss {evals[-1]['val_loss']:.3f}",
+            print(f"{label}: " + (f"{budget} s budget = " if args.steps is None else "") + f"{steps} steps, seed {seed} "
+                  f"-> val loss {evals[-1]['val_loss']:.3f}",
                   flush=True)
             if budget == max(budgets) and seed == seeds[0]:
                 step_s = next(r[2] for r in rows if r[0] == label) or 1.0  # --steps: plot against steps
