@@ -28,6 +28,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bilinear_lm.utils import append_results
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "train.py"
 PRESETS = REPO / "bilinear_lm" / "configs"
@@ -164,8 +166,7 @@ def main(argv=None) -> int:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
     if args.output:
-        with open(args.output, "a") as f:
-            f.write(f"\nCommand: `python benchmarks/equal_time.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
+        append_results(args.output, "benchmarks/equal_time.py", table)
     return 0
 
 

@@ -29,6 +29,7 @@ import yaml
 
 from bilinear_lm.baselines import build_model
 from bilinear_lm.modeling.ops import cp_recurrence
+from bilinear_lm.utils import append_results
 
 PRESET = Path(__file__).resolve().parents[1] / "bilinear_lm" / "configs" / "125m.yaml"
 VOCAB = 50257
@@ -165,8 +166,7 @@ def main(argv=None) -> int:
     text = "\n\n".join(tables)
     print("\n" + text)
     if args.output:
-        with open(args.output, "a") as f:
-            f.write(f"\nCommand: `python benchmarks/gpu.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+        append_results(args.output, "benchmarks/gpu.py", text)
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
 from bilinear_lm.modeling.ops import cp_recurrence
+from bilinear_lm.utils import append_results
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
 SIZES = {
@@ -282,8 +283,7 @@ def main(argv=None):
     text = "\n\n".join(tables)
     print("\n" + text)
     if args.output:
-        with open(args.output, "a") as f:
-            f.write(f"\nCommand: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+        append_results(args.output, "benchmarks/speed.py", text)
 
 
 if __name__ == "__main__":
