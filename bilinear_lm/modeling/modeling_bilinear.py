@@ -81,8 +81,9 @@ class BilinearCache:
 @dataclass
 class BilinearModelOutput(BaseModelOutputWithPast):
     """``BaseModelOutputWithPast`` plus ``mixer_states``: with ``output_mixer_states=True``, one
-    ``[batch, seq_len, heads, state_size]`` tensor per layer, the recurrent state after each position (each head's
-    state is defined up to a positive factor: compare directions)."""
+    ``[batch, seq_len, heads, state_size]`` tensor per layer (``state_size + 1`` with the write channel: ``[h; c]``),
+    the recurrent state after each position (each head's state is defined up to a positive factor: compare
+    directions)."""
 
     mixer_states: tuple[torch.Tensor, ...] | None = None
 
