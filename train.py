@@ -48,7 +48,7 @@ DEFAULTS: dict[str, tuple[object, type]] = {
     "bpe_vocab_size": (8192, int),
     "block_size": (256, int),
     # optimization
-    "model_type": ("bilinear", str),        # bilinear | llama | mamba
+    "model_type": ("bilinear", str),        # bilinear | llama | mamba | lstm
     "batch_size": (16, int),                # per process, per micro-step
     "gradient_accumulation_steps": (1, int),
     "max_steps": (1000, int),
@@ -77,7 +77,6 @@ DEFAULTS: dict[str, tuple[object, type]] = {
     "log_shard_checksums": (False, bool),   # record per-rank batch checksums (DDP sanity check)
 }
 MODEL_KEY = "model"
-MODEL_TYPES = ("bilinear", "llama", "mamba")
 
 
 def _coerce(key: str, value, typ):
@@ -189,8 +188,10 @@ def parse_config(argv: list[str]) -> dict:
     cfg[MODEL_KEY] = model_cfg
     if cfg["block_size"] is None or cfg["block_size"] < 1:
         raise TrainingInputError(f"--block_size must be a positive integer, got {cfg['block_size']}")
+    from bilinear_lm.baselines import MODEL_TYPES
+
     if cfg["model_type"] not in MODEL_TYPES:
-        raise TrainingInputError(f"--model_type must be bilinear, llama or mamba, got {cfg['model_type']!r}")
+        raise TrainingInputError(f"--model_type must be one of {MODEL_TYPES}, got {cfg['model_type']!r}")
     return cfg
 
 

@@ -12,12 +12,12 @@ parameter count (a meta-device instantiation, no memory) is closest to the bilin
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, LlamaForCausalLM,
+                          MambaConfig, MambaForCausalLM, PreTrainedConfig, PreTrainedModel)
+from transformers.modeling_outputs import CausalLMOutput
 
 MODEL_TYPES = ("bilinear", "llama", "mamba", "lstm")
 
@@ -118,7 +118,7 @@ def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_b
         unknown = sorted(set(model_config) - {"hidden_size", "num_layers"})
         if unknown:
             raise ValueError(f"lstm config: unknown key(s) {unknown}; it takes hidden_size and num_layers")
-        return LSTMLanguageModel(vocab_size, **model_config)
+        return LSTMLanguageModel(LSTMConfig(vocab_size=vocab_size, **model_config))
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                              "mamba": (MambaConfig, MambaForCausalLM)}[model_type]
     if match_bilinear:
@@ -126,28 +126,60 @@ def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_b
     return model_cls(config_cls(**{**model_config, "vocab_size": vocab_size}))
 
 
-class LSTMLanguageModel(nn.Module):
-    """Embedding -> ``torch.nn.LSTM`` -> linear head, called like an HF causal LM:
+class LSTMConfig(PreTrainedConfig):
+    """Configuration of :class:`LSTMLanguageModel`: ``vocab_size``, ``hidden_size``, ``num_layers``."""
+
+    model_type = "lstm_lm"
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 1
+    tie_word_embeddings: bool = False
+    use_cache: bool = False  # no cache: generate() feeds the whole prefix at every step
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+
+class LSTMLanguageModel(PreTrainedModel, GenerationMixin):
+    """Embedding -> ``torch.nn.LSTM`` -> linear head, an HF causal LM (``save_pretrained``, ``generate``):
     ``forward(input_ids, labels=None) -> .logits`` (and ``.loss``, next-token cross-entropy, with labels)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int = 1):
-        super().__init__()
-        self.config = SimpleNamespace(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-                                      tie_word_embeddings=False, model_type="lstm")
-        self.embed = nn.Embedding(vocab_size, hidden_size)
-        self.lstm = nn.LSTM(hidden_size, hidden_size, num_layers=num_layers, batch_first=True)
-        self.head = nn.Linear(hidden_size, vocab_size)
+    config_class = LSTMConfig
+    _tied_weights_keys = {}
+
+    def __init__(self, config: LSTMConfig):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lstm = nn.LSTM(config.hidden_size, config.hidden_size, num_layers=config.num_layers, batch_first=True)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _init_weights(self, module):
+        pass  # torch's own initialization of Embedding, LSTM and Linear
 
     def get_input_embeddings(self):
         return self.embed
 
-    def forward(self, input_ids, labels=None, **_):
+    def set_input_embeddings(self, value):
+        self.embed = value
+
+    def forward(self, input_ids, labels=None, **_) -> CausalLMOutput:
         hidden, _ = self.lstm(self.embed(input_ids))
         logits = self.head(hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return SimpleNamespace(logits=logits, loss=loss)
+        return CausalLMOutput(logits=logits, loss=loss)
+
+
+# after `import bilinear_lm.baselines`, Auto classes load a saved LSTM LM (e.g. train.py --model_type lstm output)
+AutoConfig.register(LSTMConfig.model_type, LSTMConfig, exist_ok=True)
+AutoModelForCausalLM.register(LSTMConfig, LSTMLanguageModel, exist_ok=True)
 
 
 def matched_lstm(bilinear_config_dict: dict, vocab_size: int) -> LSTMLanguageModel:
@@ -159,4 +191,4 @@ def matched_lstm(bilinear_config_dict: dict, vocab_size: int) -> LSTMLanguageMod
     # params(d) = 8 d^2 L + 8 d L (LSTM) + 2 V d + V (embedding, head)
     a, b, c = 8 * layers, 8 * layers + 2 * vocab_size, vocab_size - target
     width = max(1, round((-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)))
-    return LSTMLanguageModel(vocab_size, width, layers)
+    return LSTMLanguageModel(LSTMConfig(vocab_size=vocab_size, hidden_size=width, num_layers=layers))

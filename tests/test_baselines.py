@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
-from bilinear_lm.baselines import LSTMLanguageModel, build_model, matched_baseline_config, matched_lstm
+from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel, build_model, matched_baseline_config, matched_lstm
 from eval.tiny_checkpoint import build_tiny_model
 
 BILINEAR = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "state_size": 8, "rank": 8}
@@ -14,7 +14,8 @@ EXPLICIT = {
               lambda cfg, v: LlamaForCausalLM(LlamaConfig(vocab_size=v, **cfg))),
     "mamba": ({"hidden_size": 16, "num_hidden_layers": 1, "state_size": 4},
               lambda cfg, v: MambaForCausalLM(MambaConfig(vocab_size=v, **cfg))),
-    "lstm": ({"hidden_size": 16, "num_layers": 2}, lambda cfg, v: LSTMLanguageModel(v, 16, 2)),
+    "lstm": ({"hidden_size": 16, "num_layers": 2},
+             lambda cfg, v: LSTMLanguageModel(LSTMConfig(vocab_size=v, **cfg))),
     "bilinear": (BILINEAR, lambda cfg, v: BilinearForCausalLM(BilinearConfig(vocab_size=v, **cfg))),
 }
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from bilinear_lm.baselines import LSTMLanguageModel
+from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel
 from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits,
                                 evaluate, make_task, run_probe, state_consistency_loss)
 from eval import state_tracking as st
@@ -42,7 +42,7 @@ def test_parity_bilinear_diagonal_generalizes_to_longer_sequences():
 def test_chunked_evaluation_matches_one_batch():
     torch.manual_seed(0)
     task = make_task("cycle_navigation", 4)
-    model = LSTMLanguageModel(max(task.vocab_size, task.num_classes), 8)
+    model = LSTMLanguageModel(LSTMConfig(vocab_size=max(task.vocab_size, task.num_classes), hidden_size=8))
     x, y = task.sample(13, 17, torch.Generator().manual_seed(0))
     acc1, loss1 = evaluate(model, x, y, task.num_classes, eval_tokens=10 ** 6)
     acc2, loss2 = evaluate(model, x, y, task.num_classes, eval_tokens=17 * 3)  # chunks of 3 sequences
@@ -53,7 +53,7 @@ def test_chunked_evaluation_matches_one_batch():
 
 def test_evaluate_names_bad_input():
     task = make_task("cycle_navigation", 4)
-    model = LSTMLanguageModel(4, 8)
+    model = LSTMLanguageModel(LSTMConfig(vocab_size=4, hidden_size=8))
     x, y = task.sample(3, 5, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"must both be non-empty \[batch, length\], got shapes \(3, 5\) and \(3, 4\)"):
         evaluate(model, x, y[:, :4], task.num_classes)
