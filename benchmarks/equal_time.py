@@ -3,8 +3,8 @@
 
     python benchmarks/equal_time.py --preset shakespeare-char --output benchmarks/RESULTS.md
     python benchmarks/equal_time.py --preset tinystories --budgets 240 --seeds 0,1 --workdir runs/tinystories \
-        --run "bilinear=--learning_rate 2e-3" --run "bilinear+conv=--model.conv_width 4" \
-        --run "llama=--model_type llama --learning_rate 1e-3"
+        --run "bilinear=" --run "bilinear+conv=--model.conv_width 4" \
+        --run "llama=--model_type llama --learning_rate 2e-3"
 
 Every ``--run LABEL=OVERRIDES`` is a train.py run of the preset with those overrides (default: bilinear, llama and
 mamba as the preset has them). First each label's step time is measured in a short calibration run; then, for
