@@ -7,7 +7,8 @@
         --run "llama=--model_type llama --learning_rate 2e-3"
 
 Every ``--run LABEL=OVERRIDES`` is a train.py run of the preset with those overrides (default: bilinear, llama and
-mamba as the preset has them). First each label's step time is measured in a short calibration run; then, for
+mamba as the preset has them). First each label's step time is measured in a short calibration run (labels that
+differ only in optimizer settings or seed share one: they train at the same speed); then, for
 every budget and seed, a fresh run trains ``budget / step time`` steps with a cosine schedule ending there and
 is scored on the whole validation split. The step counts come from the calibration alone, so only the
 calibrations need an otherwise idle machine: the training runs give the same losses however loaded the machine
@@ -18,6 +19,7 @@ Prints a table (params, tokens/s, ms/step, validation loss at each budget: mean 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -36,6 +38,9 @@ PRESETS = REPO / "bilinear_lm" / "configs"
 # nanoGPT's documented CPU recipe (0.80M parameters), run on this kind of machine: the char-level reference.
 NANOGPT = {"shakespeare-char": {75: 1.886, 180: 1.68}}
 DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mamba"]
+# train.py flags that leave a step's time unchanged: runs differing only in these share a calibration.
+UNTIMED_FLAGS = ("--learning_rate", "--min_lr_ratio", "--warmup_steps", "--weight_decay", "--beta1", "--beta2",
+                 "--grad_clip", "--seed")
 
 
 def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None):
@@ -60,6 +65,20 @@ def parameter_count(checkpoint: Path) -> int:
     with open(checkpoint / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+def timing_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that can change a training step's time: all but ``UNTIMED_FLAGS`` (``--flag value`` or
+    ``--flag=value``)."""
+    kept, skip_value = [], False
+    for token in overrides:
+        if skip_value:
+            skip_value = False
+        elif token.split("=", 1)[0] in UNTIMED_FLAGS:
+            skip_value = "=" not in token
+        else:
+            kept.append(token)
+    return kept
 
 
 def parse_run(spec: str) -> tuple[str, list[str]]:
@@ -98,14 +117,20 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         work = args.workdir or Path(scratch)
-        rows, curves, jobs = [], {}, []
+        rows, curves, jobs, calibrations = [], {}, [], {}
         for label, overrides in runs:  # calibrations: one at a time, on an idle machine
             extra = ["--log_interval", str(args.log_interval), *overrides]
             if args.steps is None:
-                calib = train(preset, work / f"{label}-calib", args.calibration_steps, 0, extra, None)
-                step_s = seconds_per_step(calib)
-                logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up
-                rows.append((label, parameter_count(work / f"{label}-calib"), step_s, sum(logged) / len(logged)))
+                timed = timing_overrides(extra)
+                if tuple(timed) not in calibrations:
+                    key = shlex.join([args.preset, str(args.calibration_steps), *timed])
+                    calib_dir = work / f"calib-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+                    calib = train(preset, calib_dir, args.calibration_steps, 0, timed, None)
+                    logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up
+                    calibrations[tuple(timed)] = (parameter_count(calib_dir), seconds_per_step(calib),
+                                                  sum(logged) / len(logged))
+                params, step_s, tokens_per_sec = calibrations[tuple(timed)]
+                rows.append((label, params, step_s, tokens_per_sec))
             else:
                 rows.append((label, None, None, None))
             for budget in budgets:

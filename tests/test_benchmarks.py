@@ -1,7 +1,8 @@
-"""benchmarks/speed.py argument handling, with the timing replaced (no benchmark is run)."""
+"""benchmarks/speed.py and equal_time.py argument handling, with the timing and training replaced (no benchmark is
+run)."""
 import pytest
 
-from benchmarks import speed
+from benchmarks import equal_time, speed
 
 
 @pytest.fixture
@@ -46,3 +47,30 @@ def test_gpu_benchmark_says_it_needs_a_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         gpu.main(["--parts", "scan,warp"])
     assert "unknown ['warp']" in capsys.readouterr().err
+
+
+def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimizer_settings(monkeypatch, tmp_path,
+                                                                                             capsys):
+    """Learning rate and seed do not change a step's time: one calibration for both learning rates (so both train
+    the same number of steps), another for a different model; a fake train.py records every call."""
+    calls = []
+
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads):
+        calls.append((out_dir.name, max_steps, overrides))
+        if max_steps == 30:  # a calibration: 0.5 s a step for the bilinear model, 0.25 s for llama
+            step_s = 0.25 if "llama" in overrides else 0.5
+            return [{"step": s, "train_seconds": s * step_s, "tokens_per_sec": 100.0} for s in (10, 20, 30)]
+        return [{"step": max_steps, "val_loss": 1.0}]
+
+    monkeypatch.setattr(equal_time, "train", fake_train)
+    monkeypatch.setattr(equal_time, "parameter_count", lambda checkpoint: 1000)
+    equal_time.main(["--preset", "tiny", "--budgets", "60", "--seeds", "0", "--calibration-steps", "30",
+                     "--workdir", str(tmp_path), "--run", "a=--learning_rate 1e-3", "--run", "b=--learning_rate=2e-3",
+                     "--run", "c=--model_type llama --seed 3"])
+    calibrations = [c for c in calls if c[0].startswith("calib-")]
+    assert len(calibrations) == 2 and all("--learning_rate" not in c[2] for c in calibrations)
+    assert all("--seed" not in c[2] and "3" not in c[2] for c in calibrations)
+    steps = {name.split("-")[0]: n for name, n, _ in calls if not name.startswith("calib-")}
+    assert steps == {"a": 120, "b": 120, "c": 240}
+    assert equal_time.timing_overrides(["--model.rank", "8", "--beta2", "0.95", "--seed=1", "--lr_x", "1"]) == \
+        ["--model.rank", "8", "--lr_x", "1"]

@@ -104,6 +104,24 @@ def test_cp_fast_path_matches_reference_fp64(impl, T, masked, chunk, offset):
         assert relative_error(gf, gr) < 1e-10, name
 
 
+@pytest.mark.parametrize("H,R", [(83, 115), (64, 48), (96, 96)])
+def test_cpp_scan_register_blocks_match_reference_fp64(H, R):
+    """The C++ scan multiplies in column blocks of 64, 32, 16 and 1: sizes that take every block (115 = 64 + 32 + 16
+    + 3, and the shapes the presets use), with masks, restarts and chunked normalization, forward and gradients."""
+    B, T, N = 2, 21, 2
+    u, W1, W2, h0 = make_inputs(B, T, N, H, R, torch.float64)
+    mask, reset = random_mask(B, T), torch.rand(B, T, generator=torch.Generator().manual_seed(3)) < 0.1
+    h_start = torch.randn(N, H, dtype=torch.float64)
+    ref_states, ref_final = reference_recurrence(CPTransition(W1, W2), u, h0, mask, 4, 1, reset=reset, h_start=h_start)
+    fast_states, fast_final = cp_recurrence(u, W1, W2, h0, mask, 4, 1, "cpp", reset, h_start)
+    assert relative_error(fast_states, ref_states) < 1e-11
+    assert relative_error(fast_final, ref_final) < 1e-11
+    w = torch.randn_like(ref_states)
+    for gf, gr in zip(torch.autograd.grad((fast_states * w).sum(), [u, W1, W2, h0]),
+                      torch.autograd.grad((ref_states * w).sum(), [u, W1, W2, h0])):
+        assert relative_error(gf, gr) < 1e-10
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cp_fast_path_matches_reference_fp32_batched_initial_state(impl):
     B, T, N, H, R = 4, 50, 2, 6, 3  # rank < state, initial state per row (as from a cache)

@@ -39,15 +39,21 @@ COMMON_SOURCE = r"""
 template <typename scalar_t>
 bool in_safe_range(const scalar_t* v, int64_t n) {
   scalar_t peak = 0;
-  for (int64_t i = 0; i < n; ++i)
-    if (!(std::abs(v[i]) <= peak)) peak = std::abs(v[i]);  // a NaN becomes the peak
-  return peak < scalar_t(kSafeMax) && peak > scalar_t(kSafeMin);  // NaN fails both
+  int nan = 0;
+#pragma omp simd reduction(max : peak) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t a = std::abs(v[i]);
+    peak = a > peak ? a : peak;
+    nan |= a != a;
+  }
+  return !nan && peak < scalar_t(kSafeMax) && peak > scalar_t(kSafeMin);
 }
 
 // ||v|| clamped to the smallest normal number, as in recurrence.scale_at_boundary and BilinearStateNorm.
 template <typename scalar_t>
 scalar_t clamped_norm(const scalar_t* v, int64_t n) {
   scalar_t norm2 = 0;
+#pragma omp simd reduction(+ : norm2)
   for (int64_t i = 0; i < n; ++i) norm2 += v[i] * v[i];
   return std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
 }
@@ -55,13 +61,38 @@ scalar_t clamped_norm(const scalar_t* v, int64_t n) {
 
 # The CP rank-space scan: the C++ twin of torch_scan.scan_forward/scan_backward.
 SCAN_SOURCE = r"""
+// out[c] = base[c] + sum_r g[r] M[r, c] (base null: 0) for M [R, C] row-major: a row vector times a small matrix,
+// in column blocks whose accumulators stay in registers (the step-to-step chain of the scans).
+template <typename scalar_t, int W>
+inline void vec_mat_block(const scalar_t* __restrict__ g, const scalar_t* __restrict__ M, const scalar_t* base,
+                          int64_t R, int64_t C, int64_t c0, scalar_t* __restrict__ out) {
+  scalar_t acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = base ? base[c0 + j] : scalar_t(0);
+  for (int64_t r = 0; r < R; ++r) {
+    const scalar_t gr = g[r];
+    const scalar_t* __restrict__ Mr = M + r * C + c0;
+    for (int j = 0; j < W; ++j) acc[j] += gr * Mr[j];
+  }
+  for (int j = 0; j < W; ++j) out[c0 + j] = acc[j];
+}
+
+template <typename scalar_t>
+inline void vec_mat(const scalar_t* g, const scalar_t* M, const scalar_t* base, int64_t R, int64_t C,
+                    scalar_t* out) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= C; c0 += 64) vec_mat_block<scalar_t, 64>(g, M, base, R, C, c0, out);
+  if (c0 + 32 <= C) { vec_mat_block<scalar_t, 32>(g, M, base, R, C, c0, out); c0 += 32; }
+  if (c0 + 16 <= C) { vec_mat_block<scalar_t, 16>(g, M, base, R, C, c0, out); c0 += 16; }
+  for (; c0 < C; ++c0) vec_mat_block<scalar_t, 1>(g, M, base, R, C, c0, out);
+}
+
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
 // keep, restart: [T, B] bool or empty; p_start: [N, R]. Each (head, row) runs its whole sequence in one thread,
 // chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed for that (head, row) normalizing
 // every step. A restart step reads p_start instead of the previous p (P holds each step's input).
 template <typename scalar_t>
 struct RowScan {
-  const scalar_t* u; const scalar_t* M; const scalar_t* W; const bool* keep; const bool* restart;
+  const scalar_t* u; const scalar_t* M; const scalar_t* W1T; const bool* keep; const bool* restart;
   const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
   int64_t N, B, R, H, n, b, chunk, offset;
 
@@ -82,23 +113,14 @@ struct RowScan {
       scalar_t s = 1;
       const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
       if ((every_step || boundary) && keep_t) {
-        for (int64_t h = 0; h < H; ++h) {  // h = W1 g, the state whose norm is divided out
-          scalar_t acc = 0;
-          for (int64_t r = 0; r < R; ++r) acc += W[h * R + r] * g[r];
-          hv[h] = acc;
-        }
+        vec_mat(g, W1T, static_cast<const scalar_t*>(nullptr), R, H, hv.data());  // h = W1 g
         s = scalar_t(1) / clamped_norm(hv.data(), H);
         for (int64_t r = 0; r < R; ++r) g[r] *= s;
       }
       S[row] = s;
       in_range = in_safe_range(g, R) && in_range;
       if (keep_t) {
-        for (int64_t c = 0; c < R; ++c) pn[c] = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          const scalar_t gr = g[r];
-          const scalar_t* __restrict__ Mr = M + r * R;
-          for (int64_t c = 0; c < R; ++c) pn[c] += gr * Mr[c];
-        }
+        vec_mat(g, M, static_cast<const scalar_t*>(nullptr), R, R, pn);
       } else {
         for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
       }
@@ -114,6 +136,7 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
   auto G = torch::empty_like(u);
   auto P = torch::empty({T + 1, N, B, R}, u.options());
   auto S = torch::empty({T, N, B, 1}, u.options());
+  auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h = W1 g is a vec_mat
   P[0].copy_(p0);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
     const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
@@ -122,7 +145,7 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
       for (int64_t nb = begin; nb < end; ++nb) {
         const int64_t n = nb / B, b = nb % B;
         RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
-                               W1.data_ptr<scalar_t>() + n * H * R, kp, rp,
+                               W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
                                rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr, P.data_ptr<scalar_t>(),
                                G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset};
         for (int64_t t0 = 0; t0 < T;) {
@@ -167,15 +190,12 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
         scalar_t* __restrict__ dgt = dgtp + row * R;
         const scalar_t* __restrict__ dgo = dgp + row * R;
         const scalar_t* __restrict__ sut = sup + row * R;
-        for (int64_t r = 0; r < R; ++r) { dpt[r] = keep_t ? dp[r] : scalar_t(0); dgt[r] = dgo[r]; }
+        for (int64_t r = 0; r < R; ++r) dpt[r] = keep_t ? dp[r] : scalar_t(0);
         if (keep_t) {
-          for (int64_t c = 0; c < R; ++c) {
-            const scalar_t dc = dpt[c];
-            const scalar_t* __restrict__ Mc = M + c * R;
-            for (int64_t r = 0; r < R; ++r) dgt[r] += dc * Mc[r];
-          }
+          vec_mat(dpt, M, dgo, R, R, dgt);  // dgt = dgo + dp @ Mt^T
           for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r];
         } else {
+          for (int64_t r = 0; r < R; ++r) dgt[r] = dgo[r];
           for (int64_t r = 0; r < R; ++r) dp[r] += sut[r] * dgt[r];
         }
         if (rp && rp[t * B + b]) {  // this step's input was p_start, not the previous step's output
