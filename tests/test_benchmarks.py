@@ -1,8 +1,12 @@
-"""benchmarks/speed.py and equal_time.py argument handling, with the timing and training replaced (no benchmark is
-run)."""
+"""benchmarks/: speed.py and equal_time.py argument handling with the timing and training replaced (no benchmark is
+run), and loss_by_position.py's counting."""
 import pytest
 
-from benchmarks import equal_time, speed
+import math
+
+import torch
+
+from benchmarks import equal_time, loss_by_position, speed
 
 
 @pytest.fixture
@@ -74,3 +78,19 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     assert steps == {"a": 120, "b": 120, "c": 240}
     assert equal_time.timing_overrides(["--model.rank", "8", "--beta2", "0.95", "--seed=1", "--lr_x", "1"]) == \
         ["--model.rank", "8", "--lr_x", "1"]
+
+
+def test_loss_by_position_counts_from_the_last_eos():
+    """Positions by hand (EOS = 0); a model of uniform logits scores ln V at every target, so each bin's loss is
+    ln V and its count is the number of targets whose position falls in it."""
+    ids = torch.tensor([[5, 0, 3, 4, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 0]])
+    expected = torch.tensor([[-1, 0, 1, 2, 0, 1, 2, 3], [-1, -1, -1, -1, -1, -1, -1, 0]])
+    assert torch.equal(loss_by_position.document_positions(ids, 0), expected)
+
+    class Uniform(torch.nn.Module):
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 10)})()
+
+    losses, counts = loss_by_position.loss_by_position(Uniform(), ids, 0, [1, 2, 4], batch_size=1)
+    assert counts.tolist() == [2, 3]  # position 1: two targets; positions 2-3: three (the EOS targets, 0, are out)
+    torch.testing.assert_close(losses, torch.full((2,), math.log(10), dtype=torch.float64))

@@ -150,7 +150,7 @@ def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
     ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0), ("conv_width", 1), ("conv_width", -3),
-    ("gate_activation", "tanh"),
+    ("gate_activation", "tanh"), ("rotation_init_base", -1.0),
 ])
 def test_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -164,6 +164,31 @@ def test_config_rejects_incompatible_block_sizes():
         BilinearConfig(mixer_type="block_diagonal", state_size=10, block_size=3)
     with pytest.raises(ValueError, match="even"):
         BilinearConfig(mixer_type="rotation", state_size=7)
+    with pytest.raises(ValueError, match="rotation_init_base .* needs mixer_type='cp'"):
+        BilinearConfig(mixer_type="full", rotation_init_base=100.0)
+
+
+@pytest.mark.parametrize("state_size,rank", [(8, 8), (10, 6), (6, 9)])
+def test_rotation_init_starts_at_rope_rotations(state_size, rank):
+    """``rotation_init_base``: the rank-space transition ``W2^T W1`` starts as rotations by ``base^(-2k/rank)``
+    (eigenvalues ``exp(+-i angle)``, one 1 for an odd rank), and ``A(x) = W1 W2^T`` at unit gains is orthogonal when
+    ``state_size == rank``; without it ``W1 == W2``."""
+    config = BilinearConfig(vocab_size=11, hidden_size=16, num_heads=2, state_size=state_size, rank=rank,
+                            rotation_init_base=100.0)
+    mixer = build(config).model.layers[0].mixer
+    W1, W2 = mixer.W1.detach().double(), mixer.W2.detach().double()
+    angles = 100.0 ** (-2 * torch.arange(rank // 2, dtype=torch.float64) / rank)
+    expected = torch.cat([angles, angles, torch.zeros(rank % 2, dtype=torch.float64)]).sort().values
+    if state_size >= rank:  # W2 has orthonormal columns, so W2^T W1 is exactly the rotation
+        for n in range(2):
+            got = torch.linalg.eigvals(W2[n].T @ W1[n])
+            torch.testing.assert_close(got.abs(), torch.ones(rank, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.angle().abs().sort().values, expected, rtol=1e-5, atol=1e-5)
+    if state_size == rank:
+        A = W1[0] @ W2[0].T
+        torch.testing.assert_close(A.T @ A, torch.eye(rank, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    plain = build(with_changes(config, rotation_init_base=0.0)).model.layers[0].mixer
+    assert torch.equal(plain.W1, plain.W2)
 
 
 def test_paper_minimal_model_is_a_config():

@@ -43,6 +43,10 @@ class BilinearConfig(PreTrainedConfig):
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
     with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
     `gate_activation` is the readout gate's activation (`silu` or `sigmoid`).
+    `rotation_init_base > 0` (CP only) initializes `W1 = W2 O`, `O` block-diagonal 2x2 rotations by the angles
+    `base^(-2k / rank)` (RoPE's frequencies), so the rank-space transition starts at the rotation `W2^T W1 = O`:
+    orthogonal and not commuting with the input gains, where `0` (the default) starts every `A(x)` in one
+    eigenbasis (`W1 = W2`), where they commute.
     `reset_state_at_eos=True` restarts every layer's state (and convolution window) after each `eos_token_id`, so
     documents packed into one training block do not see each other, exactly as if each were run alone.
 
@@ -73,6 +77,7 @@ class BilinearConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     input_factor_init_std: float = 0.02
+    rotation_init_base: float = 0.0
     tie_word_embeddings: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -119,6 +124,9 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError("BilinearConfig.reset_state_at_eos needs eos_token_id (the token that ends a document)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BilinearConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if not self.rotation_init_base >= 0 or (self.rotation_init_base and self.mixer_type != "cp"):
+            raise ValueError(f"BilinearConfig.rotation_init_base must be >= 0 (0 disables it) and needs "
+                             f"mixer_type='cp'; got {self.rotation_init_base!r} with mixer_type={self.mixer_type!r}")
         if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:
             raise ValueError(
                 f"BilinearConfig.state_size ({self.state_size}) must be divisible by block_size "

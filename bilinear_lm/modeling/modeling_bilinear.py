@@ -48,6 +48,16 @@ def write_channel_weights(W1, W2):
     return torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1)
 
 
+def rope_rotation(size: int, base: float) -> torch.Tensor:
+    """``[size, size]`` block-diagonal 2x2 rotations by the angles ``base^(-2k / size)``, k = 0, 1, ... (RoPE's
+    frequencies; an odd last coordinate is left unrotated)."""
+    angles = base ** (-2 * torch.arange(size // 2, dtype=torch.float64) / size)
+    O = torch.eye(size, dtype=torch.float64)
+    i = torch.arange(0, size - 1, 2)
+    O[i, i], O[i, i + 1], O[i + 1, i], O[i + 1, i + 1] = angles.cos(), -angles.sin(), angles.sin(), angles.cos()
+    return O.float()
+
+
 class BilinearCache:
     """Recurrent cache: each layer's state ``[batch, heads, state_size]``, O(1) memory in sequence length.
 
@@ -207,7 +217,7 @@ class BilinearMixer(nn.Module):
         if self.mixer_type == "cp":
             q, _ = torch.linalg.qr(torch.randn(N, max(H, cfg.rank), min(H, cfg.rank)))
             q = q if H >= cfg.rank else q.transpose(1, 2)
-            init.copy_(self.W1, q)
+            init.copy_(self.W1, q @ rope_rotation(cfg.rank, cfg.rotation_init_base) if cfg.rotation_init_base else q)
             init.copy_(self.W2, q)
         elif self.mixer_type in ("full", "block_diagonal"):
             b = H if self.mixer_type == "full" else cfg.block_size
