@@ -39,8 +39,8 @@ PRESETS = REPO / "bilinear_lm" / "configs"
 NANOGPT = {"shakespeare-char": {75: 1.886, 180: 1.68}}
 DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mamba"]
 # train.py flags that leave a step's time unchanged: runs differing only in these share a calibration.
-UNTIMED_FLAGS = ("--learning_rate", "--min_lr_ratio", "--warmup_steps", "--weight_decay", "--beta1", "--beta2",
-                 "--grad_clip", "--seed")
+UNTIMED_FLAGS = ("--learning_rate", "--transition_lr_scale", "--min_lr_ratio", "--warmup_steps", "--weight_decay",
+                 "--beta1", "--beta2", "--grad_clip", "--seed")
 
 
 def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None):

@@ -27,13 +27,16 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def optimizer_groups(model: nn.Module, weight_decay: float, transition_lr: float | None = None) -> list[dict]:
     """AdamW parameter groups ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
     "weight_decay": 0.0}]`` for any model of ``build_model``: the model's own ``optimizer_groups`` when it has one
-    (the bilinear LM), else weight decay on ``nn.Linear`` / ``nn.Embedding`` weights only (not on norms, biases,
-    convolutions, recurrent weights or SSM parameters). Tied weights appear once; frozen ones are left out."""
+    (the bilinear LM; ``transition_lr`` gives its transition weights a learning rate of their own), else weight
+    decay on ``nn.Linear`` / ``nn.Embedding`` weights only (not on norms, biases, convolutions, recurrent weights or
+    SSM parameters). Tied weights appear once; frozen ones are left out."""
     if hasattr(model, "optimizer_groups"):
-        return model.optimizer_groups(weight_decay)
+        return model.optimizer_groups(weight_decay, transition_lr)
+    if transition_lr is not None:
+        raise ValueError(f"transition_lr applies to the bilinear model's transitions; {type(model).__name__} has none")
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):

@@ -152,6 +152,37 @@ def test_train_py_builds_adamw_on_the_models_groups():
         assert not any("norm" in n for n in names[0])
 
 
+def test_transition_lr_scale_gives_the_transitions_their_own_learning_rate_through_the_schedule():
+    """``--transition_lr_scale 5``: W1, W2 and factor_bias (and nothing else) sit in groups at 5x the learning rate,
+    with their usual weight decay, and the cosine schedule keeps the ratio; other model types refuse the flag."""
+    import train
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(
+        vocab={c: i for i, c in enumerate("abcdefghij")}, merges=[])))
+    cfg = train.parse_config(["--config", PRESET, "--learning_rate", "2e-3", "--transition_lr_scale", "5",
+                              "--warmup_steps", "2", "--max_steps", "10",
+                              *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]])
+    model, optimizer, scheduler = train.build_model_and_optimizer(cfg, SimpleNamespace(num_processes=1), tokenizer)
+    names = _group_names(model, optimizer.param_groups)
+    transitions = [f"model.layers.{i}.mixer.{n}" for i in range(2) for n in ("W1", "W2")]
+    biases = [f"model.layers.{i}.mixer.factor_bias" for i in range(2)]
+    assert names[2] == sorted(transitions) and names[3] == sorted(biases)
+    plain = _expected_bilinear(2)
+    assert names[0] == sorted(set(plain[0]) - set(transitions)) and names[1] == sorted(set(plain[1]) - set(biases))
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.1, 0.0]
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        assert lrs[0] > 0 and lrs[2] == pytest.approx(5 * lrs[0]) and lrs[3] == pytest.approx(5 * lrs[1])
+    with pytest.raises(train.TrainingInputError, match="--transition_lr_scale .* bilinear only"):
+        train.parse_config(["--config", PRESET, "--model_type", "llama", "--transition_lr_scale", "2"])
+    with pytest.raises(train.TrainingInputError, match="--transition_lr_scale must be > 0"):
+        train.parse_config(["--config", PRESET, "--transition_lr_scale", "0"])
+
+
 # ------------------------------------------------------------------------------------------ TrainState
 def test_train_state_round_trips_and_reads_old_checkpoints(tmp_path):
     import train

@@ -430,9 +430,10 @@ class BilinearPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model builds its own recurrent cache
 
-    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+    def optimizer_groups(self, weight_decay: float, transition_lr: float | None = None) -> list[dict]:
         """AdamW parameter groups (nanoGPT's ``configure_optimizers``): ``[{"params": decay, "weight_decay":
-        weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``.
+        weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``; with ``transition_lr``, the transition weights
+        (``W1``, ``W2``, ``W``) and ``factor_bias`` move to two more groups (same decay rules) with that ``"lr"``.
 
         Decayed: the projection and embedding matrices (``nn.Linear`` / ``nn.Embedding`` weights), the transition
         weights (``W1``, ``W2``, ``W``) and the short convolution's weight. Not decayed: norm weights (including the
@@ -440,23 +441,31 @@ class BilinearPreTrainedModel(PreTrainedModel):
         states; the output is invariant to their scale). A parameter that no rule names is an error, so a new one
         gets a decision. Tied weights appear once; frozen parameters are left out.
         """
-        decay, no_decay, seen = [], [], set()
+        groups = {(decay, own_lr): [] for decay in (True, False) for own_lr in (False, True)}
+        seen = set()
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(recurse=False):
                 if not param.requires_grad or id(param) in seen:
                     continue
                 seen.add(id(param))
+                own_lr = transition_lr is not None and isinstance(module, BilinearMixer) and \
+                    name in ("W1", "W2", "W", "factor_bias")
                 if (isinstance(module, (nn.Linear, nn.Embedding, BilinearShortConv)) and name == "weight") or \
                         (isinstance(module, BilinearMixer) and name in ("W1", "W2", "W")):
-                    decay.append(param)
+                    groups[True, own_lr].append(param)
                 elif (isinstance(module, (BilinearRMSNorm, BilinearStateNorm)) and name == "weight") or \
                         (isinstance(module, BilinearMixer) and name in ("factor_bias", "h0", "c0")) or \
                         (isinstance(module, nn.Linear) and name == "bias"):
-                    no_decay.append(param)
+                    groups[False, own_lr].append(param)
                 else:
                     raise ValueError(f"optimizer_groups: no weight-decay rule for parameter "
                                      f"{module_name + '.' if module_name else ''}{name}; add one")
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        result = [{"params": groups[True, False], "weight_decay": weight_decay},
+                  {"params": groups[False, False], "weight_decay": 0.0}]
+        if transition_lr is not None:
+            result += [{"params": groups[True, True], "weight_decay": weight_decay, "lr": transition_lr},
+                       {"params": groups[False, True], "weight_decay": 0.0, "lr": transition_lr}]
+        return result
 
 
 class BilinearModel(BilinearPreTrainedModel):
