@@ -1,9 +1,8 @@
 """benchmarks/: speed.py and equal_time.py argument handling with the timing and training replaced (no benchmark is
 run), and loss_by_position.py's counting."""
-import pytest
-
 import math
 
+import pytest
 import torch
 
 from benchmarks import equal_time, loss_by_position, speed

@@ -270,6 +270,18 @@ def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, 
     assert fused[-1][1, 0].abs().max() < 2.0  # renormalized by the guard
 
 
+def test_fused_decode_step_equals_block_modules_at_a_rank_that_takes_every_register_block(tiny_bilinear_config):
+    """W2^T h runs through the kernels' shared vector-matrix product: rank 115 = 64 + 32 + 16 + 3 takes each of its
+    column blocks, at a normalization boundary."""
+    config = with_changes(tiny_bilinear_config, state_size=20, rank=115, norm_chunk_size=7)
+    block = _decode_block(config)
+    x = torch.randn(3, 1, config.hidden_size, dtype=torch.float64)
+    state = torch.randn(3, config.num_heads, config.state_size, dtype=torch.float64)
+    fused, expected = _fused_and_modules(block, x, state, None, 6)
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_fused_decode_step_from_initial_state_in_fp32(tiny_bilinear_config):
     block = _decode_block(tiny_bilinear_config, torch.float32)
     x = torch.randn(2, 1, tiny_bilinear_config.hidden_size)

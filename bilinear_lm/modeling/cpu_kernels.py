@@ -26,7 +26,8 @@ from .recurrence import SAFE_MAX, SAFE_MIN
 
 logger = logging.getLogger(__name__)
 
-# Shared by the kernels: the overflow guard's range test (bounds from recurrence.SAFE_MIN/SAFE_MAX) and the norm.
+# Shared by the kernels: the overflow guard's range test (bounds from recurrence.SAFE_MIN/SAFE_MAX), the norm and a
+# small vector-matrix product.
 COMMON_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -57,12 +58,9 @@ scalar_t clamped_norm(const scalar_t* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) norm2 += v[i] * v[i];
   return std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
 }
-"""
 
-# The CP rank-space scan: the C++ twin of torch_scan.scan_forward/scan_backward.
-SCAN_SOURCE = r"""
-// out[c] = base[c] + sum_r g[r] M[r, c] (base null: 0) for M [R, C] row-major: a row vector times a small matrix,
-// in column blocks whose accumulators stay in registers (the step-to-step chain of the scans).
+// out[c] = base[c] + sum_r g[r] M[r, c] (no base: 0) for M [R, C] row-major: a row vector times a small matrix,
+// in column blocks whose accumulators stay in registers (the step-to-step chain of the scans and decoding).
 template <typename scalar_t, int W>
 inline void vec_mat_block(const scalar_t* __restrict__ g, const scalar_t* __restrict__ M, const scalar_t* base,
                           int64_t R, int64_t C, int64_t c0, scalar_t* __restrict__ out) {
@@ -77,15 +75,18 @@ inline void vec_mat_block(const scalar_t* __restrict__ g, const scalar_t* __rest
 }
 
 template <typename scalar_t>
-inline void vec_mat(const scalar_t* g, const scalar_t* M, const scalar_t* base, int64_t R, int64_t C,
-                    scalar_t* out) {
+inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, scalar_t* out,
+                    const scalar_t* base = nullptr) {
   int64_t c0 = 0;
   for (; c0 + 64 <= C; c0 += 64) vec_mat_block<scalar_t, 64>(g, M, base, R, C, c0, out);
   if (c0 + 32 <= C) { vec_mat_block<scalar_t, 32>(g, M, base, R, C, c0, out); c0 += 32; }
   if (c0 + 16 <= C) { vec_mat_block<scalar_t, 16>(g, M, base, R, C, c0, out); c0 += 16; }
   for (; c0 < C; ++c0) vec_mat_block<scalar_t, 1>(g, M, base, R, C, c0, out);
 }
+"""
 
+# The CP rank-space scan: the C++ twin of torch_scan.scan_forward/scan_backward.
+SCAN_SOURCE = r"""
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
 // keep, restart: [T, B] bool or empty; p_start: [N, R]. Each (head, row) runs its whole sequence in one thread,
 // chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed for that (head, row) normalizing
@@ -113,14 +114,14 @@ struct RowScan {
       scalar_t s = 1;
       const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
       if ((every_step || boundary) && keep_t) {
-        vec_mat(g, W1T, static_cast<const scalar_t*>(nullptr), R, H, hv.data());  // h = W1 g
+        vec_mat(g, W1T, R, H, hv.data());  // h = W1 g
         s = scalar_t(1) / clamped_norm(hv.data(), H);
         for (int64_t r = 0; r < R; ++r) g[r] *= s;
       }
       S[row] = s;
       in_range = in_safe_range(g, R) && in_range;
       if (keep_t) {
-        vec_mat(g, M, static_cast<const scalar_t*>(nullptr), R, R, pn);
+        vec_mat(g, M, R, R, pn);
       } else {
         for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
       }
@@ -192,7 +193,7 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
         const scalar_t* __restrict__ sut = sup + row * R;
         for (int64_t r = 0; r < R; ++r) dpt[r] = keep_t ? dp[r] : scalar_t(0);
         if (keep_t) {
-          vec_mat(dpt, M, dgo, R, R, dgt);  // dgt = dgo + dp @ Mt^T
+          vec_mat(dpt, M, R, R, dgt, dgo);  // dgt = dgo + dp @ Mt^T
           for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r];
         } else {
           for (int64_t r = 0; r < R; ++r) dgt[r] = dgo[r];
@@ -302,9 +303,7 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
       const scalar_t* w1 = W1 + n * H * R;
       const scalar_t* w2 = W2 + n * H * R;
       if (keep_b) {
-        std::fill(p.begin(), p.end(), scalar_t(0));
-        for (int64_t k = 0; k < H; ++k)
-          for (int64_t r = 0; r < R; ++r) p[r] += w2[k * R + r] * hb[k];
+        vec_mat(hb, w2, H, R, p.data());  // p = W2^T h
         for (int64_t r = 0; r < R; ++r) g[r] = (z[b * (F + G) + n * R + r] + bias[n * R + r]) * p[r];
         for (int64_t k = 0; k < H; ++k) {
           scalar_t acc = 0;
