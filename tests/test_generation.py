@@ -14,8 +14,9 @@ from bilinear_lm import BilinearCache, BilinearForCausalLM
 PAD = 0
 
 
-@pytest.fixture(params=[{}, {"conv_width": 3}, {"write_channel": True, "gate_activation": "sigmoid"}],
-                ids=["pure", "conv3", "write-channel"])
+@pytest.fixture(params=[{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True},
+                        {"write_channel": True, "gate_activation": "sigmoid"}],
+                ids=["pure", "conv3", "conv3-residual", "write-channel"])
 def model(request, tiny_bilinear_config):
     """The tiny model, and the same with the ablations that add cached state (the convolution gets random weights:
     at init it is the identity, which would hide a wrong cache)."""

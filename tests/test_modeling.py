@@ -150,7 +150,7 @@ def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
     ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0), ("conv_width", 1), ("conv_width", -3),
-    ("gate_activation", "tanh"), ("rotation_init_base", -1.0),
+    ("gate_activation", "tanh"), ("rotation_init_base", -1.0), ("factor_bias_min", 0.0), ("factor_bias_min", 1.5),
 ])
 def test_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -166,6 +166,21 @@ def test_config_rejects_incompatible_block_sizes():
         BilinearConfig(mixer_type="rotation", state_size=7)
     with pytest.raises(ValueError, match="rotation_init_base .* needs mixer_type='cp'"):
         BilinearConfig(mixer_type="full", rotation_init_base=100.0)
+    with pytest.raises(ValueError, match="factor_bias_min .* needs mixer_type='cp'"):
+        BilinearConfig(mixer_type="diagonal", factor_bias_min=0.9)
+
+
+def test_factor_bias_min_spreads_the_input_factor_offsets():
+    """``factor_bias_min``: each head's input-factor offsets start evenly spaced over ``[min, 1]`` (all 1 without
+    it), so at zero input ``A(x) = W1 diag(offsets) W2^T`` has exactly those eigenvalues."""
+    config = BilinearConfig(vocab_size=11, hidden_size=16, num_heads=2, state_size=5, rank=5, factor_bias_min=0.9)
+    mixer = build(config).model.layers[0].mixer
+    offsets = torch.tensor([0.9, 0.925, 0.95, 0.975, 1.0])
+    torch.testing.assert_close(mixer.factor_bias.detach(), offsets.repeat(2))
+    A = mixer.W1[1].detach().double() @ torch.diag(offsets.double()) @ mixer.W2[1].detach().double().T
+    torch.testing.assert_close(torch.linalg.eigvalsh(A), offsets.double(), rtol=1e-6, atol=1e-6)
+    plain = build(with_changes(config, factor_bias_min=1.0)).model.layers[0].mixer
+    assert torch.equal(plain.factor_bias, torch.ones(10))
 
 
 @pytest.mark.parametrize("state_size,rank", [(8, 8), (10, 6), (6, 9)])
@@ -397,6 +412,26 @@ def test_zero_initialized_conv_leaves_the_model_unchanged(tiny_bilinear_config):
         assert fused_decode_weights(with_conv.model.layers[0], torch.randn(1, 1, 24, dtype=torch.float64)) is None
 
 
+def test_residual_conv_mixes_the_stream_the_mlp_sees(tiny_bilinear_config):
+    """``conv_residual``: the block is ``h' = h + conv(h)``, then ``h' + mixer(norm(h'))``, then the MLP residual,
+    checked against that composition written out with an explicit causal convolution."""
+    model = build(with_changes(tiny_bilinear_config, conv_width=3, conv_residual=True), torch.float64)
+    layer = model.model.layers[0]
+    torch.nn.init.normal_(layer.conv.weight, std=0.5)
+    h = torch.randn(2, 7, tiny_bilinear_config.hidden_size, dtype=torch.float64)
+    w = layer.conv.weight[:, 0].detach()
+    padded = torch.cat([h.new_zeros(2, 2, h.shape[-1]), h], dim=1)
+    mixed_stream = h + torch.stack([sum(w[:, k] * padded[:, t + k] for k in range(3)) for t in range(7)], dim=1)
+    with torch.no_grad():
+        after_mixer = mixed_stream + layer.mixer(layer.mixer_norm(mixed_stream))[0]
+        expected = after_mixer + layer.mlp(layer.mlp_norm(after_mixer))
+        got, _, _, window = layer(h)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(window, h[:, -2:])
+    with pytest.raises(ValueError, match="conv_residual needs conv_width"):
+        BilinearConfig(conv_residual=True)
+
+
 EOS = 3
 
 
@@ -407,7 +442,8 @@ def _packed_documents(vocab_size, lengths, seed=0):
 
 
 @pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
-@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"write_channel": True}], ids=["pure", "conv", "write"])
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True},
+                                     {"write_channel": True}], ids=["pure", "conv", "conv-residual", "write"])
 def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, impl, changes):
     config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, recurrence_impl=impl,
                           **changes)
@@ -427,7 +463,8 @@ def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, i
     assert (plain[9:] - logits[9:]).abs().max() > 1e-3  # without the reset the second document sees the first
 
 
-@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}], ids=["pure", "conv"])
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True}],
+                         ids=["pure", "conv", "conv-residual"])
 def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config, changes):
     """Prefill ending on EOS, then one token per call (the fused decoding step where it applies): the cache carries
     whether the last token was EOS, and the logits equal one full forward."""

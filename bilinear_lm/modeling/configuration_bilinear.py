@@ -37,7 +37,9 @@ class BilinearConfig(PreTrainedConfig):
 
     `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input
     (zero-initialized, so training starts from the model without it; `0` disables it). It leaves the recurrence
-    untouched: the cache also holds each layer's last `conv_width - 1` inputs.
+    untouched: the cache also holds each layer's last `conv_width - 1` inputs. `conv_residual=True` moves it onto the
+    residual stream at the block's input (`h + conv(h)` before the mixer's norm), so the MLP and every later block
+    see the mixed neighbours too (as the "Canon layers" of Allen-Zhu's Physics of Language Models, part 4.1).
 
     `write_channel=True` (CP only) gives each head one more state coordinate `c` with
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
@@ -47,6 +49,9 @@ class BilinearConfig(PreTrainedConfig):
     `base^(-2k / rank)` (RoPE's frequencies), so the rank-space transition starts at the rotation `W2^T W1 = O`:
     orthogonal and not commuting with the input gains, where `0` (the default) starts every `A(x)` in one
     eigenbasis (`W1 = W2`), where they commute.
+    `factor_bias_min < 1` (CP only) starts the input factors' offsets spread evenly over `[factor_bias_min, 1]`
+    instead of all at 1: with the write channel, each rank coordinate of `h` then starts forgetting the writes at
+    its own rate relative to `c` (a spread of time scales, as Mamba's decays).
     `reset_state_at_eos=True` restarts every layer's state (and convolution window) after each `eos_token_id`, so
     documents packed into one training block do not see each other, exactly as if each were run alone.
 
@@ -65,6 +70,7 @@ class BilinearConfig(PreTrainedConfig):
     block_size: int = 2
     additive_input: bool = False
     conv_width: int = 0
+    conv_residual: bool = False
     write_channel: bool = False
     reset_state_at_eos: bool = False
     gate_activation: str = "silu"
@@ -78,6 +84,7 @@ class BilinearConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     input_factor_init_std: float = 0.02
     rotation_init_base: float = 0.0
+    factor_bias_min: float = 1.0
     tie_word_embeddings: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -107,6 +114,9 @@ class BilinearConfig(PreTrainedConfig):
                 or self.conv_width == 1:
             raise ValueError(f"BilinearConfig.conv_width must be 0 (no convolution) or an integer >= 2, "
                              f"got {self.conv_width!r}")
+        if self.conv_residual and not self.conv_width:
+            raise ValueError("BilinearConfig.conv_residual needs conv_width > 1 (the convolution it moves onto the "
+                             "residual stream)")
         if self.mixer_type not in MIXER_TYPES:
             raise ValueError(f"BilinearConfig.mixer_type must be one of {MIXER_TYPES}, got {self.mixer_type!r}")
         if self.recurrence_impl not in RECURRENCE_IMPLS:
@@ -127,6 +137,9 @@ class BilinearConfig(PreTrainedConfig):
         if not self.rotation_init_base >= 0 or (self.rotation_init_base and self.mixer_type != "cp"):
             raise ValueError(f"BilinearConfig.rotation_init_base must be >= 0 (0 disables it) and needs "
                              f"mixer_type='cp'; got {self.rotation_init_base!r} with mixer_type={self.mixer_type!r}")
+        if not 0 < self.factor_bias_min <= 1 or (self.factor_bias_min < 1 and self.mixer_type != "cp"):
+            raise ValueError(f"BilinearConfig.factor_bias_min must be in (0, 1] (1 disables it) and needs "
+                             f"mixer_type='cp'; got {self.factor_bias_min!r} with mixer_type={self.mixer_type!r}")
         if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:
             raise ValueError(
                 f"BilinearConfig.state_size ({self.state_size}) must be divisible by block_size "

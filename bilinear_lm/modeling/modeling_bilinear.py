@@ -219,6 +219,7 @@ class BilinearMixer(nn.Module):
             q = q if H >= cfg.rank else q.transpose(1, 2)
             init.copy_(self.W1, q @ rope_rotation(cfg.rank, cfg.rotation_init_base) if cfg.rotation_init_base else q)
             init.copy_(self.W2, q)
+            init.copy_(self.factor_bias, torch.linspace(cfg.factor_bias_min, 1.0, cfg.rank).repeat(N))
         elif self.mixer_type in ("full", "block_diagonal"):
             b = H if self.mixer_type == "full" else cfg.block_size
             eye = torch.eye(b).unsqueeze(-1) / cfg.rank
@@ -321,6 +322,7 @@ class BilinearBlock(GradientCheckpointingLayer):
         super().__init__()
         self.mixer_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.conv = BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None
+        self.conv_residual = config.conv_residual
         self.mixer = BilinearMixer(config, layer_idx)
         if config.use_mlp:
             self.mlp_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -335,7 +337,7 @@ class BilinearBlock(GradientCheckpointingLayer):
         if hidden_states.shape[1] == 1:
             hidden_states, final_state, conv_state = self.step(hidden_states, state, mask, offset, conv_state, reset)
             return hidden_states, final_state[:, None], final_state, conv_state
-        mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask, reset)
+        hidden_states, mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask, reset)
         mixed, states, final_state = self.mixer(mixer_input, state, mask, offset, reset)
         return self._mlp_residual(hidden_states + mixed), states, final_state, conv_state
 
@@ -344,7 +346,7 @@ class BilinearBlock(GradientCheckpointingLayer):
         :func:`~.ops.fused_decode_weights` covers it, else the modules (``BilinearMixer.step``)."""
         weights = fused_decode_weights(self, hidden_states)
         if weights is None:
-            mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask, reset)
+            hidden_states, mixer_input, conv_state = self._mixer_input(hidden_states, conv_state, mask, reset)
             mixed, new_state = self.mixer.step(mixer_input, state, mask, offset, reset)
             return self._mlp_residual(hidden_states + mixed), new_state, conv_state
         B, _, D = hidden_states.shape
@@ -362,8 +364,15 @@ class BilinearBlock(GradientCheckpointingLayer):
         return x_new.view(B, 1, D), h_new, None
 
     def _mixer_input(self, hidden_states, conv_state, mask, reset):
-        x = self.mixer_norm(hidden_states)
-        return (x, None) if self.conv is None else self.conv(x, conv_state, mask, reset)
+        """``(residual stream, mixer input, conv_state)``: the convolution, if any, acts on the residual stream
+        (``conv_residual``) or on the mixer's normalized input."""
+        if self.conv is None:
+            return hidden_states, self.mixer_norm(hidden_states), None
+        if self.conv_residual:
+            hidden_states, conv_state = self.conv(hidden_states, conv_state, mask, reset)
+            return hidden_states, self.mixer_norm(hidden_states), conv_state
+        mixer_input, conv_state = self.conv(self.mixer_norm(hidden_states), conv_state, mask, reset)
+        return hidden_states, mixer_input, conv_state
 
     def _mlp_residual(self, hidden_states):
         if self.mlp is None:
