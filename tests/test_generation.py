@@ -15,8 +15,9 @@ PAD = 0
 
 
 @pytest.fixture(params=[{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True},
-                        {"write_channel": True, "gate_activation": "sigmoid"}],
-                ids=["pure", "conv3", "conv3-residual", "write-channel"])
+                        {"write_channel": True, "gate_activation": "sigmoid"},
+                        {"write_channel": True, "coupled_write": True}],
+                ids=["pure", "conv3", "conv3-residual", "write-channel", "coupled-write"])
 def model(request, tiny_bilinear_config):
     """The tiny model, and the same with the ablations that add cached state (the convolution gets random weights:
     at init it is the identity, which would hide a wrong cache)."""

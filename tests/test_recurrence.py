@@ -236,6 +236,43 @@ def test_write_channel_follows_its_block_transition_matrices():
 
 
 @pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_coupled_write_follows_its_block_transition_matrices(impl):
+    """``coupled_write``: ``[h; c]_t = [[A(x), W1 (u(x) * w)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly; every
+    recurrence path, states and gradients."""
+    cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=4, rank=3, norm_chunk_size=3,
+                         write_channel=True, coupled_write=True, input_factor_init_std=0.5, recurrence_impl=impl)
+    mixer = BilinearMixer(cfg, 0)
+    mixer.reset_parameters()
+    mixer.double()
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    mask = random_mask(2, 7)
+    N, H, R = 2, 4, 3
+    _, states, final = mixer(x, mask=mask, offset=1)
+    u, _, _, write = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
+    u = (u + mixer.factor_bias).view(2, 7, N, R)
+    A = x.new_zeros(2, 7, N, H + 1, H + 1)
+    A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.W1, u, mixer.W2)
+    A[..., :H, H] = torch.einsum("nir,btnr->btni", mixer.W1, u * mixer.write_vector)
+    A[..., H, H] = write.view(2, 7, N).exp()
+    with torch.no_grad():
+        expected = explicit_matrix_loop(A, torch.cat([mixer.h0, mixer.c0], -1), mask, 3, 1)
+    torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)
+    # Gradients of a scale-invariant loss against the same products with no normalization (7 steps stay finite).
+    h, unnormalized = torch.cat([mixer.h0, mixer.c0], -1).expand(2, N, H + 1), []
+    for t in range(7):
+        h = torch.where(mask[:, t, None, None].bool(), torch.einsum("bnij,bnj->bni", A[:, t], h), h)
+        unnormalized.append(h)
+    unit = lambda s: s / s.norm(dim=-1, keepdim=True)
+    probe = torch.randn_like(states)
+    params = [mixer.W1, mixer.W2, mixer.write_vector, mixer.in_proj.weight, mixer.c0]
+    got = torch.autograd.grad((unit(states) * probe).sum(), params)
+    want = torch.autograd.grad((unit(torch.stack(unnormalized, 1)) * probe).sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
 def test_reset_equals_running_the_documents_separately(impl):
     """Document boundaries: at a reset the step starts from ``h_start``. Each document run alone from ``h_start`` (the
     first from ``h0``) must give the same states up to the per-head scale, and every gradient (``h_start`` included)

@@ -44,6 +44,9 @@ class BilinearConfig(PreTrainedConfig):
     `write_channel=True` (CP only) gives each head one more state coordinate `c` with
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
     with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
+    `coupled_write=True` (with the write channel) makes the write reuse the transition's input factors,
+    `b(x) = W1 (u(x) * w)` with a learned `w`: the augmented transition then has rank `rank + 1` instead of
+    `rank + state_size + 1`, so it costs about what the pure model does.
     `gate_activation` is the readout gate's activation (`silu` or `sigmoid`).
     `rotation_init_base > 0` (CP only) initializes `W1 = W2 O`, `O` block-diagonal 2x2 rotations by the angles
     `base^(-2k / rank)` (RoPE's frequencies), so the rank-space transition starts at the rotation `W2^T W1 = O`:
@@ -72,6 +75,7 @@ class BilinearConfig(PreTrainedConfig):
     conv_width: int = 0
     conv_residual: bool = False
     write_channel: bool = False
+    coupled_write: bool = False
     reset_state_at_eos: bool = False
     gate_activation: str = "silu"
     norm_chunk_size: int = 64
@@ -130,6 +134,8 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' without additive_input (it is a CP "
                              f"transition on [h; c]); got mixer_type={self.mixer_type!r}, "
                              f"additive_input={self.additive_input}")
+        if self.coupled_write and not self.write_channel:
+            raise ValueError("BilinearConfig.coupled_write needs write_channel=True (it is a form of the write channel)")
         if self.reset_state_at_eos and self.eos_token_id is None:
             raise ValueError("BilinearConfig.reset_state_at_eos needs eos_token_id (the token that ends a document)")
         if self.hidden_act not in ACTIVATIONS:

@@ -48,6 +48,21 @@ def write_channel_weights(W1, W2):
     return torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1)
 
 
+def coupled_write_channel_weights(W1, W2, w):
+    """CP weights ``[N, H+1, R+1]`` of the coupled write channel: the write reuses the transition's input factors.
+
+    With factors ``[u | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * (W2^T h + w c)); gamma c]``, so the write is
+    ``b(x) = W1 (u(x) * w)`` (``w [N, R]`` learned). Linear and homogeneous in ``[h; c]`` like
+    :func:`write_channel_weights`, at rank ``R + 1`` instead of ``R + H + 1``: about the pure model's cost.
+    """
+    N, H, R = W1.shape
+    W1c = torch.cat([torch.cat([W1, W1.new_zeros(N, H, 1)], dim=-1),
+                     torch.cat([W1.new_zeros(N, 1, R), W1.new_ones(N, 1, 1)], dim=-1)], dim=1)
+    W2c = torch.cat([torch.cat([W2, W2.new_zeros(N, H, 1)], dim=-1),
+                     torch.cat([w[:, None, :].to(W2.dtype), W2.new_ones(N, 1, 1)], dim=-1)], dim=1)
+    return W1c, W2c
+
+
 def rope_rotation(size: int, base: float) -> torch.Tensor:
     """``[size, size]`` block-diagonal 2x2 rotations by the angles ``base^(-2k / size)``, k = 0, 1, ... (RoPE's
     frequencies; an odd last coordinate is left unrotated)."""
@@ -180,11 +195,13 @@ class BilinearMixer(nn.Module):
         self.factor_size = R if config.mixer_type in ("cp", "full", "block_diagonal") else H
         # One fused input projection: [input factors | output gate | additive input | write channel (b, log gamma)].
         self.split_sizes = [N * self.factor_size, N * H if config.use_gate else 0, N * H if config.additive_input else 0,
-                            N * (H + 1) if config.write_channel else 0]
+                            (N if config.coupled_write else N * (H + 1)) if config.write_channel else 0]
         self.in_proj = Linear(config.hidden_size, sum(self.split_sizes))
         self.factor_bias = nn.Parameter(torch.zeros(N * self.factor_size))
         if config.write_channel:
             self.c0 = nn.Parameter(torch.empty(N, 1))  # the write channel's initial coordinate
+        if config.coupled_write:
+            self.write_vector = nn.Parameter(torch.empty(N, R))  # w of coupled_write_channel_weights
         if config.mixer_type == "cp":
             self.W1 = nn.Parameter(torch.empty(N, H, R))
             self.W2 = nn.Parameter(torch.empty(N, H, R))
@@ -234,11 +251,15 @@ class BilinearMixer(nn.Module):
         init.ones_(self.state_norm.weight)
         if cfg.write_channel:  # writes start at the input-projection scale, gamma(x) = exp(small) ~ 1
             init.ones_(self.c0)
+        if cfg.coupled_write:  # writes W1 (u * w) start at about the state's unit norm
+            init.copy_(self.write_vector, torch.randn(N, cfg.rank) / math.sqrt(cfg.rank))
         init.normal_(self.out_proj.weight, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
 
     def _transition(self, dtype):
         if self.mixer_type == "cp":
             W1, W2 = self.W1.to(dtype), self.W2.to(dtype)
+            if self.config.coupled_write:
+                return CPTransition(*coupled_write_channel_weights(W1, W2, self.write_vector))
             return CPTransition(*write_channel_weights(W1, W2)) if self.config.write_channel else CPTransition(W1, W2)
         if self.mixer_type == "full":
             return partial(full_transition, W=self.W.to(dtype))
@@ -264,9 +285,9 @@ class BilinearMixer(nn.Module):
         factors = factors.to(dtype).view(B, T, N, self.factor_size)
         additive = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
         h_start = self.h0
-        if self.config.write_channel:  # factors [u | b | gamma], state [h | c]
-            write = write.to(dtype).view(B, T, N, H + 1)
-            factors = torch.cat([factors, write[..., :H], write[..., H:].exp()], dim=-1)
+        if self.config.write_channel:  # factors [u | b | gamma] ([u | gamma] when coupled), state [h | c]
+            write = write.to(dtype).view(B, T, N, -1)
+            factors = torch.cat([factors, write[..., :-1], write[..., -1:].exp()], dim=-1)
             h_start = torch.cat([self.h0, self.c0], dim=-1)
         h_start = h_start.to(dtype)
         h0 = h_start if state is None else state.to(dtype)
@@ -442,10 +463,11 @@ class BilinearPreTrainedModel(PreTrainedModel):
     def optimizer_groups(self, weight_decay: float, transition_lr: float | None = None) -> list[dict]:
         """AdamW parameter groups (nanoGPT's ``configure_optimizers``): ``[{"params": decay, "weight_decay":
         weight_decay}, {"params": no_decay, "weight_decay": 0.0}]``; with ``transition_lr``, the transition weights
-        (``W1``, ``W2``, ``W``) and ``factor_bias`` move to two more groups (same decay rules) with that ``"lr"``.
+        (``W1``, ``W2``, ``W``, ``write_vector``) and ``factor_bias`` move to two more groups (same decay rules) with
+        that ``"lr"``.
 
         Decayed: the projection and embedding matrices (``nn.Linear`` / ``nn.Embedding`` weights), the transition
-        weights (``W1``, ``W2``, ``W``) and the short convolution's weight. Not decayed: norm weights (including the
+        weights (``W1``, ``W2``, ``W``, ``write_vector``) and the short convolution's weight. Not decayed: norm weights (including the
         state norm's scale), ``factor_bias`` (the input factors' offset, 1 at init), ``h0`` and ``c0`` (initial
         states; the output is invariant to their scale). A parameter that no rule names is an error, so a new one
         gets a decision. Tied weights appear once; frozen parameters are left out.
@@ -458,9 +480,9 @@ class BilinearPreTrainedModel(PreTrainedModel):
                     continue
                 seen.add(id(param))
                 own_lr = transition_lr is not None and isinstance(module, BilinearMixer) and \
-                    name in ("W1", "W2", "W", "factor_bias")
+                    name in ("W1", "W2", "W", "write_vector", "factor_bias")
                 if (isinstance(module, (nn.Linear, nn.Embedding, BilinearShortConv)) and name == "weight") or \
-                        (isinstance(module, BilinearMixer) and name in ("W1", "W2", "W")):
+                        (isinstance(module, BilinearMixer) and name in ("W1", "W2", "W", "write_vector")):
                     groups[True, own_lr].append(param)
                 elif (isinstance(module, (BilinearRMSNorm, BilinearStateNorm)) and name == "weight") or \
                         (isinstance(module, BilinearMixer) and name in ("factor_bias", "h0", "c0")) or \
