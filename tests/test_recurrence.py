@@ -211,21 +211,26 @@ def test_compiled_kernel_and_torch_scan_agree_exactly_in_fp64():
     assert relative_error(outs[1], outs[0]) < 1e-13
 
 
-def test_write_channel_follows_its_block_transition_matrices():
-    """``[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly from the mixer's parameters."""
+def _write_channel_case(**changes):
+    """A float64 write-channel mixer (2 heads, state 4, rank 3, normalization every 3 steps), an input ``[2, 7, 12]``
+    with padding, and its input factors ``u [2, 7, 2, 3]`` and write projections ``[2, 7, 2, -1]``."""
     cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=4, rank=3, norm_chunk_size=3,
-                         write_channel=True, input_factor_init_std=0.5)
+                         write_channel=True, input_factor_init_std=0.5, **changes)
     mixer = BilinearMixer(cfg, 0)
     mixer.reset_parameters()
     mixer.double()
     x = torch.randn(2, 7, 12, dtype=torch.float64)
     mask = random_mask(2, 7)
-    N, H, R = 2, 4, 3
+    u, _, _, write = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
+    return mixer, x, mask, (u + mixer.factor_bias).view(2, 7, 2, 3), write.view(2, 7, 2, -1)
+
+
+def test_write_channel_follows_its_block_transition_matrices():
+    """``[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly from the mixer's parameters."""
+    mixer, x, mask, u, write = _write_channel_case()
+    N, H = 2, 4
     with torch.no_grad():
         _, states, final = mixer(x, mask=mask, offset=1)
-        u, _, _, write = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
-        u = (u + mixer.factor_bias).view(2, 7, N, R)
-        write = write.view(2, 7, N, H + 1)
         A = torch.zeros(2, 7, N, H + 1, H + 1, dtype=torch.float64)
         A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.W1, u, mixer.W2)
         A[..., :H, H] = write[..., :H]
@@ -239,21 +244,13 @@ def test_write_channel_follows_its_block_transition_matrices():
 def test_coupled_write_follows_its_block_transition_matrices(impl):
     """``coupled_write``: ``[h; c]_t = [[A(x), W1 (u(x) * w)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly; every
     recurrence path, states and gradients."""
-    cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=4, rank=3, norm_chunk_size=3,
-                         write_channel=True, coupled_write=True, input_factor_init_std=0.5, recurrence_impl=impl)
-    mixer = BilinearMixer(cfg, 0)
-    mixer.reset_parameters()
-    mixer.double()
-    x = torch.randn(2, 7, 12, dtype=torch.float64)
-    mask = random_mask(2, 7)
-    N, H, R = 2, 4, 3
+    mixer, x, mask, u, write = _write_channel_case(coupled_write=True, recurrence_impl=impl)
+    N, H = 2, 4
     _, states, final = mixer(x, mask=mask, offset=1)
-    u, _, _, write = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
-    u = (u + mixer.factor_bias).view(2, 7, N, R)
     A = x.new_zeros(2, 7, N, H + 1, H + 1)
     A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.W1, u, mixer.W2)
     A[..., :H, H] = torch.einsum("nir,btnr->btni", mixer.W1, u * mixer.write_vector)
-    A[..., H, H] = write.view(2, 7, N).exp()
+    A[..., H, H] = write[..., 0].exp()
     with torch.no_grad():
         expected = explicit_matrix_loop(A, torch.cat([mixer.h0, mixer.c0], -1), mask, 3, 1)
     torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)

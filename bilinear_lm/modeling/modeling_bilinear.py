@@ -467,9 +467,9 @@ class BilinearPreTrainedModel(PreTrainedModel):
         that ``"lr"``.
 
         Decayed: the projection and embedding matrices (``nn.Linear`` / ``nn.Embedding`` weights), the transition
-        weights (``W1``, ``W2``, ``W``, ``write_vector``) and the short convolution's weight. Not decayed: norm weights (including the
-        state norm's scale), ``factor_bias`` (the input factors' offset, 1 at init), ``h0`` and ``c0`` (initial
-        states; the output is invariant to their scale). A parameter that no rule names is an error, so a new one
+        weights (``W1``, ``W2``, ``W``, ``write_vector``) and the short convolution's weight. Not decayed: norm weights
+        (including the state norm's scale), ``factor_bias`` (the input factors' offset, 1 at init), ``h0`` and ``c0``
+        (initial states; the output is invariant to their scale). A parameter that no rule names is an error, so a new one
         gets a decision. Tied weights appear once; frozen parameters are left out.
         """
         groups = {(decay, own_lr): [] for decay in (True, False) for own_lr in (False, True)}
