@@ -42,7 +42,8 @@ DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mam
 # these share a calibration.
 UNTIMED_FLAGS = ("--learning_rate", "--transition_lr_scale", "--min_lr_ratio", "--warmup_steps", "--weight_decay",
                  "--beta1", "--beta2", "--grad_clip", "--seed", "--model.initializer_range",
-                 "--model.input_factor_init_std", "--model.factor_bias_min", "--model.rotation_init_base")
+                 "--model.input_factor_init_std", "--model.input_factor_multiplier", "--model.factor_bias_min",
+                 "--model.rotation_init_base")
 
 
 def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None):

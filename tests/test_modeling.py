@@ -152,6 +152,7 @@ def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
     ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
     ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0), ("conv_width", 1), ("conv_width", -3),
     ("gate_activation", "tanh"), ("rotation_init_base", -1.0), ("factor_bias_min", 0.0), ("factor_bias_min", 1.5),
+    ("input_factor_multiplier", 0.0), ("input_factor_multiplier", -1.0),
 ])
 def test_config_rejects_nonsense_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -184,6 +185,29 @@ def test_factor_bias_min_spreads_the_input_factor_offsets():
     torch.testing.assert_close(torch.linalg.eigvalsh(A), offsets.double(), rtol=1e-6, atol=1e-6)
     plain = build(with_changes(config, factor_bias_min=1.0)).model.layers[0].mixer
     assert torch.equal(plain.factor_bias, torch.ones(10))
+
+
+def test_input_factor_multiplier_is_the_same_model_at_init_with_its_factor_gradient_scaled():
+    """``input_factor_multiplier`` m: ``u = bias + m (W_u x)`` with ``W_u`` drawn at ``std / m``, so at initialization
+    the model is the one without it, and (chain rule) the gradient of the factor rows of ``in_proj`` is m times
+    theirs while every other gradient is unchanged: under Adam, m is the factors' relative learning rate."""
+    config = BilinearConfig(vocab_size=11, hidden_size=16, num_heads=2, state_size=5, rank=6, num_hidden_layers=2,
+                            input_factor_init_std=0.3)
+    ids = torch.randint(0, 11, (2, 9))
+    runs = {}
+    for m in (1.0, 0.25):
+        model = build(with_changes(config, input_factor_multiplier=m)).double()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        runs[m] = out.logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+    (logits, grads), (scaled_logits, scaled_grads) = runs[1.0], runs[0.25]
+    torch.testing.assert_close(scaled_logits, logits, rtol=1e-5, atol=1e-6)
+    factor_rows = config.num_heads * config.rank
+    for name, grad in grads.items():
+        expected = grad.clone()
+        if name.endswith("mixer.in_proj.weight"):
+            expected[:factor_rows] *= 0.25
+        torch.testing.assert_close(scaled_grads[name], expected, rtol=1e-4, atol=1e-8, msg=name)
 
 
 @pytest.mark.parametrize("state_size,rank", [(8, 8), (10, 6), (6, 9)])
@@ -273,8 +297,10 @@ def _fused_and_modules(block, *args):
 
 @pytest.mark.parametrize("use_gate,use_mlp", [(True, True), (False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("offset", [5, 6])  # position 7 is a normalization boundary with norm_chunk_size 7
-def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, use_mlp, offset):
-    config = with_changes(tiny_bilinear_config, use_gate=use_gate, use_mlp=use_mlp, norm_chunk_size=7)
+@pytest.mark.parametrize("multiplier", [1.0, 0.3])  # input_factor_multiplier
+def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, use_mlp, offset, multiplier):
+    config = with_changes(tiny_bilinear_config, use_gate=use_gate, use_mlp=use_mlp, norm_chunk_size=7,
+                          input_factor_multiplier=multiplier)
     block = _decode_block(config)
     B, N, H = 4, config.num_heads, config.state_size
     x = torch.randn(B, 1, config.hidden_size, dtype=torch.float64)

@@ -55,6 +55,12 @@ class BilinearConfig(PreTrainedConfig):
     `factor_bias_min < 1` (CP only) starts the input factors' offsets spread evenly over `[factor_bias_min, 1]`
     instead of all at 1: with the write channel, each rank coordinate of `h` then starts forgetting the writes at
     its own rate relative to `c` (a spread of time scales, as Mamba's decays).
+    `input_factor_multiplier` scales the input factors' projection in the forward pass,
+    `u(x) = factor_bias + input_factor_multiplier * (W_u x)`, with `W_u` initialized at
+    `input_factor_init_std / input_factor_multiplier` (the same model at initialization). Under Adam, whose steps
+    do not depend on a gradient's scale, it is the input factors' learning rate relative to the other weights':
+    a per-token gain compounds over the whole sequence, so they are the model's most learning-rate-sensitive
+    weights.
     `reset_state_at_eos=True` restarts every layer's state (and convolution window) after each `eos_token_id`, so
     documents packed into one training block do not see each other, exactly as if each were run alone.
 
@@ -87,6 +93,7 @@ class BilinearConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     input_factor_init_std: float = 0.02
+    input_factor_multiplier: float = 1.0
     rotation_init_base: float = 0.0
     factor_bias_min: float = 1.0
     tie_word_embeddings: bool = True
@@ -160,6 +167,9 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError(f"BilinearConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.initializer_range > 0 or not self.input_factor_init_std >= 0:
             raise ValueError("BilinearConfig.initializer_range must be > 0 and input_factor_init_std >= 0")
+        if not self.input_factor_multiplier > 0:
+            raise ValueError(f"BilinearConfig.input_factor_multiplier must be > 0 (1: the plain projection), "
+                             f"got {self.input_factor_multiplier!r}")
 
 
 __all__ = ["BilinearConfig"]

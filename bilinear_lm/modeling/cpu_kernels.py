@@ -284,12 +284,13 @@ inline scalar_t silu(scalar_t z) { return z / (scalar_t(1) + std::exp(-z)); }
 // One decoding step (one position, a few rows) of a whole block: RMSNorm -> CP mixer (one recurrence step with the
 // reference loop's normalization and overflow guard, normalized and gated readout) -> residual -> RMSNorm -> SwiGLU
 // -> residual. The same computation as the modules' forward, in one call instead of about fifty small ops.
-// x: [B, D]; h: [B, N, H] (updated in place); keep: [B] bool or empty; in_proj rows: [N*R factors | N*H gate or none];
+// x: [B, D]; h: [B, N, H] (updated in place); keep: [B] bool or empty; in_proj rows: [N*R factors | N*H gate or none]
+// (the factors are in_proj x * factor_scale + bias: BilinearConfig.input_factor_multiplier);
 // MLP weights empty when the block has no MLP.
 template <typename scalar_t>
 void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool boundary, bool guard, int64_t B, int64_t D,
                          int64_t N, int64_t H, int64_t R, bool gated, const scalar_t* mixer_norm_w, double eps,
-                         const scalar_t* in_w, const scalar_t* bias, const scalar_t* W1, const scalar_t* W2,
+                         scalar_t factor_scale, const scalar_t* in_w, const scalar_t* bias, const scalar_t* W1, const scalar_t* W2,
                          const scalar_t* state_w, const scalar_t* out_w, const scalar_t* mlp_norm_w,
                          const scalar_t* gate_up_w, const scalar_t* down_w, int64_t I) {
   const int64_t F = N * R, G = gated ? N * H : 0;
@@ -304,7 +305,7 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
       const scalar_t* w2 = W2 + n * H * R;
       if (keep_b) {
         vec_mat(hb, w2, H, R, p.data());  // p = W2^T h
-        for (int64_t r = 0; r < R; ++r) g[r] = (z[b * (F + G) + n * R + r] + bias[n * R + r]) * p[r];
+        for (int64_t r = 0; r < R; ++r) g[r] = (z[b * (F + G) + n * R + r] * factor_scale + bias[n * R + r]) * p[r];
         for (int64_t k = 0; k < H; ++k) {
           scalar_t acc = 0;
           for (int64_t r = 0; r < R; ++r) acc += w1[k * R + r] * g[r];
@@ -338,7 +339,8 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
 // Returns (x_new [B, D], h_new [B, N, H]); see decode_block_kernel.
 // The weights' names are the fields of cpu_kernels.DecodeBlockWeights (bound as keyword arguments).
 std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch::Tensor keep, bool boundary, bool guard,
-                                        double eps, torch::Tensor mixer_norm_w, torch::Tensor in_w, torch::Tensor bias,
+                                        double eps, double factor_scale, torch::Tensor mixer_norm_w, torch::Tensor in_w,
+                                        torch::Tensor bias,
                                         torch::Tensor W1, torch::Tensor W2, torch::Tensor state_w, torch::Tensor out_w,
                                         torch::Tensor mlp_norm_w, torch::Tensor gate_up_w, torch::Tensor down_w) {
   const int64_t B = x.size(0), D = x.size(1), N = W1.size(0), H = W1.size(1), R = W1.size(2);
@@ -362,7 +364,8 @@ std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch:
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block", [&] {
     decode_block_kernel<scalar_t>(
         xo.data_ptr<scalar_t>(), ho.data_ptr<scalar_t>(), keep.numel() ? keep.data_ptr<bool>() : nullptr, boundary,
-        guard, B, D, N, H, R, gated, mixer_norm_w.data_ptr<scalar_t>(), eps, in_w.data_ptr<scalar_t>(),
+        guard, B, D, N, H, R, gated, mixer_norm_w.data_ptr<scalar_t>(), eps, scalar_t(factor_scale),
+        in_w.data_ptr<scalar_t>(),
         bias.data_ptr<scalar_t>(), W1.data_ptr<scalar_t>(), W2.data_ptr<scalar_t>(), state_w.data_ptr<scalar_t>(),
         out_w.data_ptr<scalar_t>(), mlp ? mlp_norm_w.data_ptr<scalar_t>() : nullptr,
         mlp ? gate_up_w.data_ptr<scalar_t>() : nullptr, mlp ? down_w.data_ptr<scalar_t>() : nullptr,
@@ -381,8 +384,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("DP"));
   m.def("small_batch_linear", &small_batch_linear, arg("x"), arg("W"));
   m.def("decode_block", &decode_block, arg("x"), arg("h"), arg("keep"), arg("boundary"), arg("guard"), arg("eps"),
-        arg("mixer_norm"), arg("in_proj"), arg("factor_bias"), arg("W1"), arg("W2"), arg("state_norm"),
-        arg("out_proj"), arg("mlp_norm"), arg("gate_up_proj"), arg("down_proj"));
+        arg("factor_scale"), arg("mixer_norm"), arg("in_proj"), arg("factor_bias"), arg("W1"), arg("W2"),
+        arg("state_norm"), arg("out_proj"), arg("mlp_norm"), arg("gate_up_proj"), arg("down_proj"));
 }
 """
 

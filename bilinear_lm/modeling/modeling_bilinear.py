@@ -228,7 +228,7 @@ class BilinearMixer(nn.Module):
         std = cfg.input_factor_init_std
         factor_rows = self.split_sizes[0]
         row_std = torch.full((self.in_proj.weight.shape[0], 1), cfg.initializer_range)
-        row_std[:factor_rows] = std
+        row_std[:factor_rows] = std / cfg.input_factor_multiplier  # the same u(x) at init for any multiplier
         init.copy_(self.in_proj.weight, torch.randn(self.in_proj.weight.shape) * row_std)
         init.ones_(self.factor_bias)
         if self.mixer_type == "cp":
@@ -278,6 +278,8 @@ class BilinearMixer(nn.Module):
         B, T, _ = x.shape
         N, H = self.num_heads, self.state_size
         factors, gate, additive, write = self.in_proj(x).split(self.split_sizes, dim=-1)
+        if self.config.input_factor_multiplier != 1:
+            factors = factors * self.config.input_factor_multiplier
         factors = factors + self.factor_bias.to(factors.dtype)
         if self.mixer_type == "positive_diagonal":
             factors = torch.sigmoid(factors)
@@ -381,7 +383,7 @@ class BilinearBlock(GradientCheckpointingLayer):
             x=hidden_states.reshape(B, D).contiguous(), h=h0.contiguous(),
             keep=hidden_states.new_empty(0, dtype=torch.bool) if mask is None else mask[:, 0].bool().contiguous(),
             boundary=is_boundary(chunk, offset, 0), guard=chunk > 0, eps=self.mixer_norm.eps,  # both norms' eps
-            **weights._asdict())
+            factor_scale=self.mixer.config.input_factor_multiplier, **weights._asdict())
         return x_new.view(B, 1, D), h_new, None
 
     def _mixer_input(self, hidden_states, conv_state, mask, reset):
