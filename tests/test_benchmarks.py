@@ -76,7 +76,8 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     steps = {name.split("-")[0]: n for name, n, _ in calls if not name.startswith("calib-")}
     assert steps == {"a": 120, "b": 120, "c": 240}
     assert equal_time.timing_overrides(["--model.rank", "8", "--beta2", "0.95", "--seed=1", "--lr_x", "1",
-                                        "--model.input_factor_init_std", "0.005"]) == ["--model.rank", "8", "--lr_x", "1"]
+                                        "--model.input_factor_init_std", "0.005", "--model.input_factor_multiplier=0.3"]
+                                       ) == ["--model.rank", "8", "--lr_x", "1"]
 
 
 def test_loss_by_position_counts_from_the_last_eos():
