@@ -290,9 +290,9 @@ inline scalar_t silu(scalar_t z) { return z / (scalar_t(1) + std::exp(-z)); }
 template <typename scalar_t>
 void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool boundary, bool guard, int64_t B, int64_t D,
                          int64_t N, int64_t H, int64_t R, bool gated, const scalar_t* mixer_norm_w, double eps,
-                         scalar_t factor_scale, const scalar_t* in_w, const scalar_t* bias, const scalar_t* W1, const scalar_t* W2,
-                         const scalar_t* state_w, const scalar_t* out_w, const scalar_t* mlp_norm_w,
-                         const scalar_t* gate_up_w, const scalar_t* down_w, int64_t I) {
+                         scalar_t factor_scale, const scalar_t* in_w, const scalar_t* bias, const scalar_t* W1,
+                         const scalar_t* W2, const scalar_t* state_w, const scalar_t* out_w,
+                         const scalar_t* mlp_norm_w, const scalar_t* gate_up_w, const scalar_t* down_w, int64_t I) {
   const int64_t F = N * R, G = gated ? N * H : 0;
   std::vector<scalar_t> xn(B * D), z(B * (F + G)), y(B * N * H), o(B * D), p(R), g(R);
   rms_norm_rows(x, mixer_norm_w, xn.data(), B, D, eps);
@@ -340,9 +340,9 @@ void decode_block_kernel(scalar_t* x, scalar_t* h, const bool* keep, bool bounda
 // The weights' names are the fields of cpu_kernels.DecodeBlockWeights (bound as keyword arguments).
 std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch::Tensor keep, bool boundary, bool guard,
                                         double eps, double factor_scale, torch::Tensor mixer_norm_w, torch::Tensor in_w,
-                                        torch::Tensor bias,
-                                        torch::Tensor W1, torch::Tensor W2, torch::Tensor state_w, torch::Tensor out_w,
-                                        torch::Tensor mlp_norm_w, torch::Tensor gate_up_w, torch::Tensor down_w) {
+                                        torch::Tensor bias, torch::Tensor W1, torch::Tensor W2, torch::Tensor state_w,
+                                        torch::Tensor out_w, torch::Tensor mlp_norm_w, torch::Tensor gate_up_w,
+                                        torch::Tensor down_w) {
   const int64_t B = x.size(0), D = x.size(1), N = W1.size(0), H = W1.size(1), R = W1.size(2);
   const bool gated = in_w.size(0) > N * R;
   const bool mlp = mlp_norm_w.numel() > 0;
@@ -365,9 +365,8 @@ std::vector<torch::Tensor> decode_block(torch::Tensor x, torch::Tensor h, torch:
     decode_block_kernel<scalar_t>(
         xo.data_ptr<scalar_t>(), ho.data_ptr<scalar_t>(), keep.numel() ? keep.data_ptr<bool>() : nullptr, boundary,
         guard, B, D, N, H, R, gated, mixer_norm_w.data_ptr<scalar_t>(), eps, scalar_t(factor_scale),
-        in_w.data_ptr<scalar_t>(),
-        bias.data_ptr<scalar_t>(), W1.data_ptr<scalar_t>(), W2.data_ptr<scalar_t>(), state_w.data_ptr<scalar_t>(),
-        out_w.data_ptr<scalar_t>(), mlp ? mlp_norm_w.data_ptr<scalar_t>() : nullptr,
+        in_w.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(), W1.data_ptr<scalar_t>(), W2.data_ptr<scalar_t>(),
+        state_w.data_ptr<scalar_t>(), out_w.data_ptr<scalar_t>(), mlp ? mlp_norm_w.data_ptr<scalar_t>() : nullptr,
         mlp ? gate_up_w.data_ptr<scalar_t>() : nullptr, mlp ? down_w.data_ptr<scalar_t>() : nullptr,
         mlp ? down_w.size(1) : 0);
   });
