@@ -56,7 +56,6 @@ DEFAULTS: dict[str, tuple[object, type]] = {
     "min_lr_ratio": (0.1, float),           # cosine decays to learning_rate * min_lr_ratio
     "warmup_steps": (100, int),
     "weight_decay": (0.1, float),           # on matrices only (the model's optimizer_groups): not norms, biases, h0
-    "transition_lr_scale": (1.0, float),    # bilinear only: lr multiplier of W1, W2 (W) and factor_bias
     "beta1": (0.9, float),
     "beta2": (0.95, float),
     "grad_clip": (1.0, float),              # 0 disables
@@ -193,9 +192,6 @@ def parse_config(argv: list[str]) -> dict:
 
     if cfg["model_type"] not in MODEL_TYPES:
         raise TrainingInputError(f"--model_type must be one of {MODEL_TYPES}, got {cfg['model_type']!r}")
-    if not cfg["transition_lr_scale"] > 0 or (cfg["transition_lr_scale"] != 1 and cfg["model_type"] != "bilinear"):
-        raise TrainingInputError(f"--transition_lr_scale must be > 0 and applies to --model_type bilinear only; got "
-                                 f"{cfg['transition_lr_scale']} with --model_type {cfg['model_type']}")
     return cfg
 
 
@@ -470,8 +466,7 @@ def build_model_and_optimizer(cfg: dict, accelerator, tokenizer):
     for k, v in special.items():
         setattr(model.config, k, v)
         setattr(model.generation_config, k, v)
-    transition_lr = cfg["learning_rate"] * cfg["transition_lr_scale"] if cfg["transition_lr_scale"] != 1 else None
-    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg["weight_decay"], transition_lr),
+    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg["weight_decay"]),
                                   lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
     # the prepared scheduler steps once per process per optimizer step (Accelerate convention)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(

@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from bilinear_lm.baselines import build_model
-from bilinear_lm.modeling.ops import cp_recurrence
+from bilinear_lm.modeling.dispatch import cp_recurrence
 from bilinear_lm.utils import append_results
 
 PRESET = Path(__file__).resolve().parents[1] / "bilinear_lm" / "configs" / "125m.yaml"

@@ -31,7 +31,7 @@ import torch
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
-from bilinear_lm.modeling.ops import cp_recurrence
+from bilinear_lm.modeling.dispatch import cp_recurrence
 from bilinear_lm.utils import append_results
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
@@ -110,7 +110,7 @@ def recurrence_seconds(model, batch: int, seq_len: int) -> float:
     c = model.config
     u = (1 + 0.02 * torch.randn(batch, seq_len, c.num_heads, c.rank)).requires_grad_()
     mixer = model.model.layers[0].mixer
-    W1, W2, h0 = (p.detach().clone().requires_grad_() for p in (mixer.W1, mixer.W2, mixer.h0))
+    W1, W2, h0 = (p.detach().clone().requires_grad_() for p in (mixer.transition.W1, mixer.transition.W2, mixer.h_start))
 
     def run():
         states, _ = cp_recurrence(u, W1, W2, h0, None, c.norm_chunk_size, 0, c.recurrence_impl)

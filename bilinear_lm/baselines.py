@@ -19,6 +19,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, Lla
                           MambaConfig, MambaForCausalLM, PreTrainedConfig, PreTrainedModel)
 from transformers.modeling_outputs import CausalLMOutput
 
+from .modeling.configuration_bilinear import swiglu_width
+
 MODEL_TYPES = ("bilinear", "llama", "mamba", "lstm")
 
 
@@ -27,16 +29,13 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def optimizer_groups(model: nn.Module, weight_decay: float, transition_lr: float | None = None) -> list[dict]:
+def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW parameter groups ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
     "weight_decay": 0.0}]`` for any model of ``build_model``: the model's own ``optimizer_groups`` when it has one
-    (the bilinear LM; ``transition_lr`` gives its transition weights a learning rate of their own), else weight
-    decay on ``nn.Linear`` / ``nn.Embedding`` weights only (not on norms, biases, convolutions, recurrent weights or
-    SSM parameters). Tied weights appear once; frozen ones are left out."""
+    (the bilinear LM), else weight decay on ``nn.Linear`` / ``nn.Embedding`` weights only (not on norms, biases,
+    convolutions, recurrent weights or SSM parameters). Tied weights appear once; frozen ones are left out."""
     if hasattr(model, "optimizer_groups"):
-        return model.optimizer_groups(weight_decay, transition_lr)
-    if transition_lr is not None:
-        raise ValueError(f"transition_lr applies to the bilinear model's transitions; {type(model).__name__} has none")
+        return model.optimizer_groups(weight_decay)
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -60,9 +59,8 @@ def bilinear_config(model_config: dict, vocab_size: int):
 
 
 def _llama_config(hidden: int, heads: int, layers: int, vocab_size: int, tie: bool) -> LlamaConfig:
-    # SwiGLU width 8/3*d rounded up to a multiple of 32, like the bilinear MLP default
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=32 * -(-8 * hidden // 96),
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=swiglu_width(hidden),  # the bilinear MLP's
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=4096, tie_word_embeddings=tie, attention_dropout=0.0,
     )

@@ -14,10 +14,9 @@ from bilinear_lm import BilinearCache, BilinearForCausalLM
 PAD = 0
 
 
-@pytest.fixture(params=[{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True},
-                        {"write_channel": True, "gate_activation": "sigmoid"},
+@pytest.fixture(params=[{}, {"conv_width": 3}, {"write_channel": True},
                         {"write_channel": True, "coupled_write": True}],
-                ids=["pure", "conv3", "conv3-residual", "write-channel", "coupled-write"])
+                ids=["pure", "conv3", "write-channel", "coupled-write"])
 def model(request, tiny_bilinear_config):
     """The tiny model, and the same with the ablations that add cached state (the convolution gets random weights:
     at init it is the identity, which would hide a wrong cache)."""
@@ -123,8 +122,10 @@ def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        dispatch = sys.modules[type(model).__module__.rpartition(".")[0] + ".dispatch"]
+        assert dispatch.load_cpu_scan is None  # no compiled scan without the package: the PyTorch scan runs
         with torch.no_grad():
-            assert torch.equal(model(expected["ids"]).logits, expected["logits"])
+            torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=1e-5, atol=1e-6)
         assert torch.equal(model.generate(expected["ids"], max_new_tokens=5), expected["gen"])
         print("ok")
     """)

@@ -69,7 +69,7 @@ def test_100k_token_forward_stays_finite(tiny_bilinear_config, autocast):
     config = with_changes(tiny_bilinear_config, norm_chunk_size=64, input_factor_init_std=0.5, num_hidden_layers=1)
     model = build(config)
     for layer in model.model.layers:  # a transition that grows the state ~e^5 per step without normalization
-        layer.mixer.factor_bias.data.fill_(50.0)
+        layer.mixer.transition.factor_bias.data.fill_(50.0)
     ids = torch.randint(0, config.vocab_size, (1, 100_000))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(ids, use_cache=True)
@@ -151,7 +151,6 @@ def test_save_load_safetensors_and_bf16(tiny_bilinear_config, tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("rank", 0), ("num_heads", -2), ("state_size", 2.5), ("norm_chunk_size", -1), ("hidden_act", "tanh"),
     ("mixer_type", "lstm"), ("recurrence_impl", "cuda"), ("rms_norm_eps", 0.0), ("conv_width", 1), ("conv_width", -3),
-    ("gate_activation", "tanh"), ("rotation_init_base", -1.0), ("factor_bias_min", 0.0), ("factor_bias_min", 1.5),
     ("input_factor_multiplier", 0.0), ("input_factor_multiplier", -1.0),
 ])
 def test_config_rejects_nonsense_naming_the_field(field, value):
@@ -168,23 +167,6 @@ def test_config_rejects_incompatible_block_sizes():
         BilinearConfig(mixer_type="block_diagonal", state_size=10, block_size=3)
     with pytest.raises(ValueError, match="even"):
         BilinearConfig(mixer_type="rotation", state_size=7)
-    with pytest.raises(ValueError, match="rotation_init_base .* needs mixer_type='cp'"):
-        BilinearConfig(mixer_type="full", rotation_init_base=100.0)
-    with pytest.raises(ValueError, match="factor_bias_min .* needs mixer_type='cp'"):
-        BilinearConfig(mixer_type="diagonal", factor_bias_min=0.9)
-
-
-def test_factor_bias_min_spreads_the_input_factor_offsets():
-    """``factor_bias_min``: each head's input-factor offsets start evenly spaced over ``[min, 1]`` (all 1 without
-    it), so at zero input ``A(x) = W1 diag(offsets) W2^T`` has exactly those eigenvalues."""
-    config = BilinearConfig(vocab_size=11, hidden_size=16, num_heads=2, state_size=5, rank=5, factor_bias_min=0.9)
-    mixer = build(config).model.layers[0].mixer
-    offsets = torch.tensor([0.9, 0.925, 0.95, 0.975, 1.0])
-    torch.testing.assert_close(mixer.factor_bias.detach(), offsets.repeat(2))
-    A = mixer.W1[1].detach().double() @ torch.diag(offsets.double()) @ mixer.W2[1].detach().double().T
-    torch.testing.assert_close(torch.linalg.eigvalsh(A), offsets.double(), rtol=1e-6, atol=1e-6)
-    plain = build(with_changes(config, factor_bias_min=1.0)).model.layers[0].mixer
-    assert torch.equal(plain.factor_bias, torch.ones(10))
 
 
 def test_input_factor_multiplier_is_the_same_model_at_init_with_its_factor_gradient_scaled():
@@ -210,147 +192,11 @@ def test_input_factor_multiplier_is_the_same_model_at_init_with_its_factor_gradi
         torch.testing.assert_close(scaled_grads[name], expected, rtol=1e-4, atol=1e-8, msg=name)
 
 
-@pytest.mark.parametrize("state_size,rank", [(8, 8), (10, 6), (6, 9)])
-def test_rotation_init_starts_at_rope_rotations(state_size, rank):
-    """``rotation_init_base``: the rank-space transition ``W2^T W1`` starts as rotations by ``base^(-2k/rank)``
-    (eigenvalues ``exp(+-i angle)``, one 1 for an odd rank), and ``A(x) = W1 W2^T`` at unit gains is orthogonal when
-    ``state_size == rank``; without it ``W1 == W2``."""
-    config = BilinearConfig(vocab_size=11, hidden_size=16, num_heads=2, state_size=state_size, rank=rank,
-                            rotation_init_base=100.0)
-    mixer = build(config).model.layers[0].mixer
-    W1, W2 = mixer.W1.detach().double(), mixer.W2.detach().double()
-    angles = 100.0 ** (-2 * torch.arange(rank // 2, dtype=torch.float64) / rank)
-    expected = torch.cat([angles, angles, torch.zeros(rank % 2, dtype=torch.float64)]).sort().values
-    if state_size >= rank:  # W2 has orthonormal columns, so W2^T W1 is exactly the rotation
-        for n in range(2):
-            got = torch.linalg.eigvals(W2[n].T @ W1[n])
-            torch.testing.assert_close(got.abs(), torch.ones(rank, dtype=torch.float64), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(got.angle().abs().sort().values, expected, rtol=1e-5, atol=1e-5)
-    if state_size == rank:
-        A = W1[0] @ W2[0].T
-        torch.testing.assert_close(A.T @ A, torch.eye(rank, dtype=torch.float64), rtol=1e-5, atol=1e-5)
-    plain = build(with_changes(config, rotation_init_base=0.0)).model.layers[0].mixer
-    assert torch.equal(plain.W1, plain.W2)
-
-
 def test_paper_minimal_model_is_a_config():
     config = BilinearConfig(vocab_size=7, hidden_size=8, num_hidden_layers=1, use_mlp=False, mixer_type="full",
                             num_heads=1, state_size=8, rank=8)
     model = BilinearForCausalLM(config)
     assert [name for name, _ in model.model.layers[0].named_children()] == ["mixer_norm", "mixer"]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_decode_linear_kernel_equals_matmul(dtype, monkeypatch):
-    from bilinear_lm.modeling import cpu_kernels
-
-    kernel = cpu_kernels.load_kernel()
-    if kernel is None:
-        pytest.skip("no C++ compiler: Linear is plain F.linear here")
-    calls = []
-
-    class Spy:  # records which calls reach the compiled GEMV
-        def small_batch_linear(self, x, w):
-            calls.append(x.shape[0])
-            return kernel.small_batch_linear(x, w)
-
-    monkeypatch.setattr(cpu_kernels, "built_kernel", lambda: Spy())
-    torch.manual_seed(0)
-    layer = cpu_kernels.Linear(37, 23).to(dtype)  # out features not a multiple of the kernel's 4-row blocks
-    for shape in [(1, 1, 37), (3, 37), (2, 2, 37), (5, 37)]:  # 1-4 rows take the kernel, 5 the matmul
-        x = torch.randn(shape, dtype=dtype)
-        with torch.no_grad():
-            y = layer(x)
-        expected = (x.double() @ layer.weight.double().t()).to(dtype)
-        assert y.shape == (*shape[:-1], 23)
-        torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6)
-    assert calls == [1, 3, 4]
-    x = torch.randn(1, 37, dtype=dtype, requires_grad=True)
-    layer(x).sum().backward()  # with gradients enabled the layer is F.linear, so autograd works
-    torch.testing.assert_close(x.grad, layer.weight.sum(0, keepdim=True))
-    assert calls == [1, 3, 4]
-
-
-from bilinear_lm.modeling.ops import fused_decode_weights
-
-
-def _decode_block(config, dtype=torch.float64):
-    from bilinear_lm.modeling.cpu_kernels import load_kernel
-    from bilinear_lm.modeling.modeling_bilinear import BilinearBlock
-
-    if load_kernel() is None:
-        pytest.skip("no C++ compiler: decoding runs the modules")
-    torch.manual_seed(0)
-    block = BilinearBlock(config, 0).to(dtype)
-    block.mixer.reset_parameters()
-    return block
-
-
-def _fused_and_modules(block, *args):
-    *expected, no_conv_state = block(*args)  # gradients enabled: the modules
-    with torch.no_grad():
-        assert fused_decode_weights(block, args[0]) is not None
-        *fused, fused_conv_state = block(*args)
-    assert no_conv_state is None and fused_conv_state is None
-    return fused, [t.detach() for t in expected]
-
-
-@pytest.mark.parametrize("use_gate,use_mlp", [(True, True), (False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("offset", [5, 6])  # position 7 is a normalization boundary with norm_chunk_size 7
-@pytest.mark.parametrize("multiplier", [1.0, 0.3])  # input_factor_multiplier
-def test_fused_decode_step_equals_block_modules(tiny_bilinear_config, use_gate, use_mlp, offset, multiplier):
-    config = with_changes(tiny_bilinear_config, use_gate=use_gate, use_mlp=use_mlp, norm_chunk_size=7,
-                          input_factor_multiplier=multiplier)
-    block = _decode_block(config)
-    B, N, H = 4, config.num_heads, config.state_size
-    x = torch.randn(B, 1, config.hidden_size, dtype=torch.float64)
-    state = torch.randn(B, N, H, dtype=torch.float64)
-    state[1, 0] *= 1e30  # leaves the safe range after the step: the overflow guard renormalizes this head
-    mask = torch.tensor([[1], [1], [0], [1]])  # row 2 is padding: its state must stay unchanged
-    fused, expected = _fused_and_modules(block, x, state, mask, offset)
-    for got, want in zip(fused, expected):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fused[-1][2], state[2], rtol=0, atol=0)
-    assert fused[-1][1, 0].abs().max() < 2.0  # renormalized by the guard
-
-
-def test_fused_decode_step_equals_block_modules_at_a_rank_that_takes_every_register_block(tiny_bilinear_config):
-    """W2^T h runs through the kernels' shared vector-matrix product: rank 115 = 64 + 32 + 16 + 3 takes each of its
-    column blocks, at a normalization boundary."""
-    config = with_changes(tiny_bilinear_config, state_size=20, rank=115, norm_chunk_size=7)
-    block = _decode_block(config)
-    x = torch.randn(3, 1, config.hidden_size, dtype=torch.float64)
-    state = torch.randn(3, config.num_heads, config.state_size, dtype=torch.float64)
-    fused, expected = _fused_and_modules(block, x, state, None, 6)
-    for got, want in zip(fused, expected):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
-def test_fused_decode_step_from_initial_state_in_fp32(tiny_bilinear_config):
-    block = _decode_block(tiny_bilinear_config, torch.float32)
-    x = torch.randn(2, 1, tiny_bilinear_config.hidden_size)
-    fused, expected = _fused_and_modules(block, x, None, None, 0)  # state None: the learned h0
-    for got, want in zip(fused, expected):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_fused_decode_step_is_not_taken_outside_its_cover(tiny_bilinear_config):
-    block = _decode_block(tiny_bilinear_config, torch.float32)
-    D = tiny_bilinear_config.hidden_size
-    with torch.no_grad():
-        assert fused_decode_weights(block, torch.randn(4, 1, D)) is not None
-        assert fused_decode_weights(block, torch.randn(5, 1, D)) is None  # too many rows
-        assert fused_decode_weights(block, torch.randn(1, 2, D)) is None  # two positions
-        assert fused_decode_weights(block.to(torch.bfloat16), torch.randn(1, 1, D, dtype=torch.bfloat16)) is None
-        block.float()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert fused_decode_weights(block, torch.randn(1, 1, D)) is None
-        block.mixer.state_norm.double()
-        assert fused_decode_weights(block, torch.randn(1, 1, D)) is None  # a weight in another dtype
-        block.mixer.state_norm.float()
-        assert fused_decode_weights(block, torch.randn(1, 1, D)) is not None
-        block.mixer.in_proj = torch.nn.Linear(D, block.mixer.in_proj.out_features, bias=False)  # e.g. an adapter
-        assert fused_decode_weights(block, torch.randn(1, 1, D)) is None
 
 
 def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
@@ -366,9 +212,10 @@ def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
         assert len(out.mixer_states) == tiny_bilinear_config.num_hidden_layers
         for layer, x, states in zip(model.model.layers, out.hidden_states, out.mixer_states):
             mixer = layer.mixer
-            factors = mixer.in_proj(layer.mixer_norm(x))[..., :mixer.split_sizes[0]] + mixer.factor_bias
-            expected, _ = reference_recurrence(partial(cp_transition, W1=mixer.W1, W2=mixer.W2),
-                                               factors.view(2, 9, mixer.num_heads, -1), mixer.h0,
+            factors = mixer.in_proj(layer.mixer_norm(x))[..., :mixer.split_sizes[0]].view(2, 9, mixer.num_heads, -1)
+            W1, W2 = mixer.transition.W1, mixer.transition.W2
+            expected, _ = reference_recurrence(partial(cp_transition, W1=W1, W2=W2),
+                                               factors + mixer.transition.factor_bias, mixer.h_start,
                                                chunk=tiny_bilinear_config.norm_chunk_size)
             torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
     assert model(ids).mixer_states is None
@@ -438,27 +285,6 @@ def test_zero_initialized_conv_leaves_the_model_unchanged(tiny_bilinear_config):
     ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(with_conv(ids).logits, plain(ids).logits, rtol=0, atol=0)
-        assert fused_decode_weights(with_conv.model.layers[0], torch.randn(1, 1, 24, dtype=torch.float64)) is None
-
-
-def test_residual_conv_mixes_the_stream_the_mlp_sees(tiny_bilinear_config):
-    """``conv_residual``: the block is ``h' = h + conv(h)``, then ``h' + mixer(norm(h'))``, then the MLP residual,
-    checked against that composition written out with an explicit causal convolution."""
-    model = build(with_changes(tiny_bilinear_config, conv_width=3, conv_residual=True), torch.float64)
-    layer = model.model.layers[0]
-    torch.nn.init.normal_(layer.conv.weight, std=0.5)
-    h = torch.randn(2, 7, tiny_bilinear_config.hidden_size, dtype=torch.float64)
-    w = layer.conv.weight[:, 0].detach()
-    padded = torch.cat([h.new_zeros(2, 2, h.shape[-1]), h], dim=1)
-    mixed_stream = h + torch.stack([sum(w[:, k] * padded[:, t + k] for k in range(3)) for t in range(7)], dim=1)
-    with torch.no_grad():
-        after_mixer = mixed_stream + layer.mixer(layer.mixer_norm(mixed_stream))[0]
-        expected = after_mixer + layer.mlp(layer.mlp_norm(after_mixer))
-        got, _, _, window = layer(h)
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(window, h[:, -2:])
-    with pytest.raises(ValueError, match="conv_residual needs conv_width"):
-        BilinearConfig(conv_residual=True)
 
 
 EOS = 3
@@ -471,9 +297,9 @@ def _packed_documents(vocab_size, lengths, seed=0):
 
 
 @pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
-@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True},
-                                     {"write_channel": True}, {"write_channel": True, "coupled_write": True}],
-                         ids=["pure", "conv", "conv-residual", "write", "coupled-write"])
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"write_channel": True},
+                                     {"write_channel": True, "coupled_write": True}],
+                         ids=["pure", "conv", "write", "coupled-write"])
 def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, impl, changes):
     config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, recurrence_impl=impl,
                           **changes)
@@ -493,10 +319,9 @@ def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, i
     assert (plain[9:] - logits[9:]).abs().max() > 1e-3  # without the reset the second document sees the first
 
 
-@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"conv_width": 3, "conv_residual": True}],
-                         ids=["pure", "conv", "conv-residual"])
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}], ids=["pure", "conv"])
 def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config, changes):
-    """Prefill ending on EOS, then one token per call (the fused decoding step where it applies): the cache carries
+    """Prefill ending on EOS, then one token per call: the cache carries
     whether the last token was EOS, and the logits equal one full forward."""
     config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, **changes)
     model = build(config, torch.float64)
@@ -518,3 +343,26 @@ def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config, changes)
 def test_reset_needs_an_eos_token():
     with pytest.raises(ValueError, match="reset_state_at_eos needs eos_token_id"):
         BilinearConfig(reset_state_at_eos=True)
+
+
+def test_lora_on_the_transition_weights_trains_and_generates_like_its_merged_model(tiny_bilinear_config):
+    """PEFT LoRA on parameters (``target_parameters``) wraps the transition module: forward, the cached decoding steps
+    of ``generate`` and a gradient step all see the adapter, equal to the model with the adapter merged in."""
+    peft = pytest.importorskip("peft")
+    model = build(tiny_bilinear_config, torch.float64)
+    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mixer.transition.W1", "mixer.transition.W2"])
+    lora = peft.get_peft_model(model, config)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:  # zero at init: make the adapter change the model
+            torch.nn.init.normal_(p, std=0.3)
+    ids = torch.randint(1, tiny_bilinear_config.vocab_size, (2, 7))
+    loss = lora(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None for name, p in lora.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        logits = lora(input_ids=ids).logits
+        generated = lora.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+        merged = lora.merge_and_unload()
+        torch.testing.assert_close(logits, merged(ids).logits, rtol=1e-9, atol=1e-9)
+        assert (logits - build(tiny_bilinear_config, torch.float64)(ids).logits).abs().max() > 1e-3  # adapter acts
+        assert torch.equal(generated, merged.generate(ids, max_new_tokens=6, do_sample=False))

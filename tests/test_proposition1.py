@@ -42,8 +42,8 @@ def automaton_model(delta, start):
         mixer.in_proj.weight[torch.arange(K), S + torch.arange(K)] = 1.0
         for i in range(S):
             for k in range(K):
-                mixer.W[0, delta[i][k], i, k] = 1.0
-        mixer.h0[0, start] = 1.0
+                mixer.transition.W[0, delta[i][k], i, k] = 1.0
+        mixer.h_start[0, start] = 1.0
         mixer.state_norm.weight.fill_(1.0)
         mixer.out_proj.weight[torch.arange(S), torch.arange(S)] = 100.0
         model.lm_head.weight[torch.arange(S), torch.arange(S)] = 1.0

@@ -7,7 +7,7 @@ import torch
 
 from bilinear_lm import BilinearConfig
 from bilinear_lm.modeling.modeling_bilinear import BilinearMixer
-from bilinear_lm.modeling.ops import cp_recurrence
+from bilinear_lm.modeling.dispatch import cp_recurrence, recurrence
 from bilinear_lm.modeling.recurrence import (
     CPTransition,
     cp_transition,
@@ -81,6 +81,8 @@ def test_single_step_equals_explicit_matrices(impl):
         torch.testing.assert_close(final, expected[:, 0], rtol=1e-12, atol=1e-12)
         stepped = reference_step(CPTransition(W1, W2), u[:, 0], h, mask[:, 0], is_boundary(chunk, offset, 0))
         torch.testing.assert_close(stepped, expected[:, 0], rtol=1e-12, atol=1e-12)
+        dispatched, _ = recurrence(CPTransition(W1, W2), u, h, mask, chunk, offset, impl)  # what decoding runs
+        torch.testing.assert_close(dispatched, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -139,15 +141,15 @@ def test_cp_fast_path_matches_reference_fp32_batched_initial_state(impl):
 
 def mixer_matrices(mixer, factors):
     """Transition matrices [B, T, N, H, H] of a mixer built directly from its parameters (independent code)."""
-    cfg = mixer.config
+    cfg, transition = mixer.config, mixer.transition
     B, T, N, F = factors.shape
     H = cfg.state_size
     if cfg.mixer_type == "cp":
-        return torch.einsum("nir,btnr,njr->btnij", mixer.W1, factors, mixer.W2)
+        return torch.einsum("nir,btnr,njr->btnij", transition.W1, factors, transition.W2)
     if cfg.mixer_type == "full":
-        return torch.einsum("nijk,btnk->btnij", mixer.W, factors)
+        return torch.einsum("nijk,btnk->btnij", transition.W, factors)
     if cfg.mixer_type == "block_diagonal":
-        blocks = torch.einsum("nzijk,btnk->btnzij", mixer.W, factors)
+        blocks = torch.einsum("nzijk,btnk->btnzij", transition.W, factors)
         return torch.stack([torch.stack([torch.stack([torch.block_diag(*blocks[b, t, n]) for n in range(N)])
                                          for t in range(T)]) for b in range(B)])
     if cfg.mixer_type == "rotation":
@@ -171,12 +173,11 @@ def test_every_mixer_type_follows_its_transition_matrices(mixer_type):
     mask = random_mask(2, 7)
     with torch.no_grad():
         y, _, final = mixer(x, mask=mask, offset=2)
-        factors = mixer.in_proj(x)[..., : mixer.split_sizes[0]] + mixer.factor_bias
+        factors = mixer.in_proj(x)[..., : mixer.split_sizes[0]].view(2, 7, 2, -1) + mixer.transition.factor_bias
         if mixer_type == "positive_diagonal":
             factors = torch.sigmoid(factors)
             assert (factors > 0).all() and (factors < 1).all()
-        factors = factors.view(2, 7, 2, -1)
-        states = explicit_matrix_loop(mixer_matrices(mixer, factors), mixer.h0, mask, 3, 2)
+        states = explicit_matrix_loop(mixer_matrices(mixer, factors), mixer.h_start, mask, 3, 2)
     torch.testing.assert_close(final, states[:, -1], rtol=1e-10, atol=1e-12)
     normed = states / states.norm(dim=-1, keepdim=True) * 6 ** 0.5
     gate = torch.nn.functional.silu(mixer.in_proj(x)[..., mixer.split_sizes[0]:].detach())
@@ -213,7 +214,8 @@ def test_compiled_kernel_and_torch_scan_agree_exactly_in_fp64():
 
 def _write_channel_case(**changes):
     """A float64 write-channel mixer (2 heads, state 4, rank 3, normalization every 3 steps), an input ``[2, 7, 12]``
-    with padding, and its input factors ``u [2, 7, 2, 3]`` and write projections ``[2, 7, 2, -1]``."""
+    with padding, and its input factors ``u [2, 7, 2, 3]`` and write projections ``[2, 7, 2, -1]`` (each head's
+    projection rows are ``[u | write]``)."""
     cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=4, rank=3, norm_chunk_size=3,
                          write_channel=True, input_factor_init_std=0.5, **changes)
     mixer = BilinearMixer(cfg, 0)
@@ -221,8 +223,8 @@ def _write_channel_case(**changes):
     mixer.double()
     x = torch.randn(2, 7, 12, dtype=torch.float64)
     mask = random_mask(2, 7)
-    u, _, _, write = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
-    return mixer, x, mask, (u + mixer.factor_bias).view(2, 7, 2, 3), write.view(2, 7, 2, -1)
+    raw = mixer.in_proj(x)[..., :mixer.split_sizes[0]].view(2, 7, 2, -1)
+    return mixer, x, mask, raw[..., :3] + mixer.transition.factor_bias, raw[..., 3:]
 
 
 def test_write_channel_follows_its_block_transition_matrices():
@@ -232,10 +234,10 @@ def test_write_channel_follows_its_block_transition_matrices():
     with torch.no_grad():
         _, states, final = mixer(x, mask=mask, offset=1)
         A = torch.zeros(2, 7, N, H + 1, H + 1, dtype=torch.float64)
-        A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.W1, u, mixer.W2)
+        A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.transition.W1, u, mixer.transition.W2)
         A[..., :H, H] = write[..., :H]
         A[..., H, H] = write[..., H].exp()
-        expected = explicit_matrix_loop(A, torch.cat([mixer.h0, mixer.c0], -1), mask, 3, 1)
+        expected = explicit_matrix_loop(A, mixer.h_start, mask, 3, 1)
     torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)
 
@@ -248,21 +250,22 @@ def test_coupled_write_follows_its_block_transition_matrices(impl):
     N, H = 2, 4
     _, states, final = mixer(x, mask=mask, offset=1)
     A = x.new_zeros(2, 7, N, H + 1, H + 1)
-    A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.W1, u, mixer.W2)
-    A[..., :H, H] = torch.einsum("nir,btnr->btni", mixer.W1, u * mixer.write_vector)
+    transition = mixer.transition
+    A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", transition.W1, u, transition.W2)
+    A[..., :H, H] = torch.einsum("nir,btnr->btni", transition.W1, u * transition.write_vector)
     A[..., H, H] = write[..., 0].exp()
     with torch.no_grad():
-        expected = explicit_matrix_loop(A, torch.cat([mixer.h0, mixer.c0], -1), mask, 3, 1)
+        expected = explicit_matrix_loop(A, mixer.h_start, mask, 3, 1)
     torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)
     # Gradients of a scale-invariant loss against the same products with no normalization (7 steps stay finite).
-    h, unnormalized = torch.cat([mixer.h0, mixer.c0], -1).expand(2, N, H + 1), []
+    h, unnormalized = mixer.h_start.expand(2, N, H + 1), []
     for t in range(7):
         h = torch.where(mask[:, t, None, None].bool(), torch.einsum("bnij,bnj->bni", A[:, t], h), h)
         unnormalized.append(h)
     unit = lambda s: s / s.norm(dim=-1, keepdim=True)
     probe = torch.randn_like(states)
-    params = [mixer.W1, mixer.W2, mixer.write_vector, mixer.in_proj.weight, mixer.c0]
+    params = [transition.W1, transition.W2, transition.write_vector, mixer.in_proj.weight, mixer.h_start]
     got = torch.autograd.grad((unit(states) * probe).sum(), params)
     want = torch.autograd.grad((unit(torch.stack(unnormalized, 1)) * probe).sum(), params)
     for g, w in zip(got, want):

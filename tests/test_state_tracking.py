@@ -261,7 +261,7 @@ def test_state_consistency_reads_the_states_the_model_reads_out():
     normed = resid / resid.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * model.model.norm.weight
     torch.testing.assert_close(out.logits, normed @ model.lm_head.weight.T)
     state_consistency_loss(out.mixer_states, y, task.num_classes).backward()
-    for p in (mixer.W2, mixer.in_proj.weight, mixer.h0):  # through the scan, the input factors and the start state
+    for p in (mixer.transition.W2, mixer.in_proj.weight, mixer.h_start):  # through the scan, the input factors and the start state
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 

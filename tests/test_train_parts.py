@@ -18,19 +18,19 @@ def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_t
     from bilinear_lm.baselines import build_model
 
     cfg = train.parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
-                              "--model.gate_activation", "sigmoid", "--model.reset_state_at_eos", "yes",
+                              "--model.hidden_act", "gelu", "--model.reset_state_at_eos", "yes",
                               "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
     model = cfg["model"]
     assert model["conv_width"] == 4 and type(model["conv_width"]) is int
     assert model["write_channel"] is True and model["reset_state_at_eos"] is True  # bools, not the int 1 / "yes"
-    assert model["gate_activation"] == "sigmoid"
+    assert model["hidden_act"] == "gelu"
     assert model["rms_norm_eps"] == 1e-6 and type(model["rms_norm_eps"]) is float
     assert model["intermediate_size"] == 96
     built = build_model("bilinear", {**model, "eos_token_id": 0}, vocab_size=65)
     assert built.config.conv_width == 4 and built.config.write_channel is True
-    assert built.config.gate_activation == "sigmoid" and built.config.reset_state_at_eos is True
+    assert built.config.hidden_act == "gelu" and built.config.reset_state_at_eos is True
     # a string-typed key keeps what YAML would turn into a bool; a bare flag is true
-    assert train.parse_config(["--model.gate_activation", "yes"])["model"]["gate_activation"] == "yes"
+    assert train.parse_config(["--model.hidden_act", "yes"])["model"]["hidden_act"] == "yes"
     assert train.parse_config(["--model.write_channel"])["model"]["write_channel"] is True
     assert train.parse_config(["--model.conv_width", "4.0"])["model"]["conv_width"] == 4
     with pytest.raises(train.TrainingInputError, match="--model.write_channel: expected true/false, got 'maybe'"):
@@ -55,7 +55,7 @@ def test_help_lists_every_model_key_with_its_type(capsys):
     assert train.cli(["--help"]) == 0
     out = capsys.readouterr().out
     for line in ("--model.conv_width             int    0", "--model.write_channel          bool   False",
-                 "--model.gate_activation        str    'silu'", "--model.reset_state_at_eos     bool   False",
+                 "--model.hidden_act             str    'silu'", "--model.reset_state_at_eos     bool   False",
                  "--model.vocab_size             int    len(tokenizer)", "--max_steps"):
         assert line in out
 
@@ -66,7 +66,7 @@ def _group_names(model, groups):
     return [sorted(names[id(p)] for p in g["params"]) for g in groups]
 
 
-def _expected_bilinear(layers, conv=False, write_channel=False, transition=("W1", "W2"), tied=True):
+def _expected_bilinear(layers, conv=False, transition=("W1", "W2"), tied=True):
     """Written out by hand from the rule (not derived from the code under test)."""
     decay, no_decay = ["model.embed_tokens.weight"], ["model.norm.weight"]
     if not tied:
@@ -74,19 +74,17 @@ def _expected_bilinear(layers, conv=False, write_channel=False, transition=("W1"
     for i in range(layers):
         p = f"model.layers.{i}."
         decay += [p + "mixer.in_proj.weight", p + "mixer.out_proj.weight", p + "mlp.gate_up_proj.weight",
-                  p + "mlp.down_proj.weight", *(p + "mixer." + w for w in transition)]
-        no_decay += [p + "mixer_norm.weight", p + "mlp_norm.weight", p + "mixer.factor_bias", p + "mixer.h0",
+                  p + "mlp.down_proj.weight", *(p + "mixer.transition." + w for w in transition)]
+        no_decay += [p + "mixer_norm.weight", p + "mlp_norm.weight", p + "mixer.transition.factor_bias", p + "mixer.h_start",
                      p + "mixer.state_norm.weight"]
         if conv:
             decay.append(p + "conv.weight")
-        if write_channel:
-            no_decay.append(p + "mixer.c0")
     return [sorted(decay), sorted(no_decay)]
 
 
 @pytest.mark.parametrize("extra, expected", [
     ({}, dict()),
-    ({"conv_width": 4, "write_channel": True}, dict(conv=True, write_channel=True)),
+    ({"conv_width": 4, "write_channel": True}, dict(conv=True)),
     ({"mixer_type": "full"}, dict(transition=("W",))),
     ({"mixer_type": "diagonal"}, dict(transition=())),
     ({"tie_word_embeddings": False}, dict(tied=False)),
@@ -105,8 +103,8 @@ def test_bilinear_optimizer_groups_skip_frozen_and_refuse_unknown_parameters():
     from bilinear_lm.baselines import build_model
 
     model = build_model("bilinear", SMALL, vocab_size=30)
-    model.model.layers[0].mixer.h0.requires_grad_(False)
-    assert "model.layers.0.mixer.h0" not in sum(_group_names(model, model.optimizer_groups(0.1)), [])
+    model.model.layers[0].mixer.h_start.requires_grad_(False)
+    assert "model.layers.0.mixer.h_start" not in sum(_group_names(model, model.optimizer_groups(0.1)), [])
     model.model.layers[1].mixer.new_thing = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="no weight-decay rule for parameter model.layers.1.mixer.new_thing"):
         model.optimizer_groups(0.1)
@@ -138,7 +136,7 @@ def test_train_py_builds_adamw_on_the_models_groups():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(
         vocab={c: i for i, c in enumerate("abcdefghij")}, merges=[])))
     accelerator = SimpleNamespace(num_processes=1)
-    for model_type, rule in (("bilinear", lambda m: _expected_bilinear(2, conv=True, write_channel=True)),
+    for model_type, rule in (("bilinear", lambda m: _expected_bilinear(2, conv=True)),
                              ("llama", None)):
         cfg = train.parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
                                   *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
@@ -150,37 +148,6 @@ def test_train_py_builds_adamw_on_the_models_groups():
         if rule is not None:
             assert names == rule(model)
         assert not any("norm" in n for n in names[0])
-
-
-def test_transition_lr_scale_gives_the_transitions_their_own_learning_rate_through_the_schedule():
-    """``--transition_lr_scale 5``: W1, W2 and factor_bias (and nothing else) sit in groups at 5x the learning rate,
-    with their usual weight decay, and the cosine schedule keeps the ratio; other model types refuse the flag."""
-    import train
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(
-        vocab={c: i for i, c in enumerate("abcdefghij")}, merges=[])))
-    cfg = train.parse_config(["--config", PRESET, "--learning_rate", "2e-3", "--transition_lr_scale", "5",
-                              "--warmup_steps", "2", "--max_steps", "10",
-                              *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]])
-    model, optimizer, scheduler = train.build_model_and_optimizer(cfg, SimpleNamespace(num_processes=1), tokenizer)
-    names = _group_names(model, optimizer.param_groups)
-    transitions = [f"model.layers.{i}.mixer.{n}" for i in range(2) for n in ("W1", "W2")]
-    biases = [f"model.layers.{i}.mixer.factor_bias" for i in range(2)]
-    assert names[2] == sorted(transitions) and names[3] == sorted(biases)
-    plain = _expected_bilinear(2)
-    assert names[0] == sorted(set(plain[0]) - set(transitions)) and names[1] == sorted(set(plain[1]) - set(biases))
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.1, 0.0]
-    for _ in range(4):
-        optimizer.step()
-        scheduler.step()
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        assert lrs[0] > 0 and lrs[2] == pytest.approx(5 * lrs[0]) and lrs[3] == pytest.approx(5 * lrs[1])
-    with pytest.raises(train.TrainingInputError, match="--transition_lr_scale .* bilinear only"):
-        train.parse_config(["--config", PRESET, "--model_type", "llama", "--transition_lr_scale", "2"])
-    with pytest.raises(train.TrainingInputError, match="--transition_lr_scale must be > 0"):
-        train.parse_config(["--config", PRESET, "--transition_lr_scale", "0"])
 
 
 # ------------------------------------------------------------------------------------------ TrainState

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from bilinear_lm.modeling import torch_scan, triton_scan  # noqa: E402
-from bilinear_lm.modeling.ops import cp_recurrence  # noqa: E402
+from bilinear_lm.modeling import scan, scan_triton  # noqa: E402
+from bilinear_lm.modeling.dispatch import cp_recurrence  # noqa: E402
 from bilinear_lm.modeling.recurrence import cp_transition, reference_recurrence  # noqa: E402
 
 
@@ -42,15 +42,15 @@ def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, 
         restart &= keep
     p_start = torch.randn(N, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    expected = torch_scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
-    got = triton_scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
     for name, a, b in zip("GPS", got, expected):
         assert relative_error(a, b) < tol, name
     dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
     MtT = Mt.transpose(1, 2).contiguous()
     filled = [[torch.empty_like(u), torch.empty_like(u)] for _ in range(2)]
-    expected = [*torch_scan.scan_backward(dG, su, MtT, keep, restart, *filled[0]), *filled[0]]
-    got = [*triton_scan.scan_backward(dG, su, MtT, keep, restart, *filled[1]), *filled[1]]
+    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0]), *filled[0]]
+    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1]), *filled[1]]
     for name, a, b in zip(["dp0", "dp_start", "DGT", "DP"], got, expected):
         assert relative_error(a, b) < tol, name
 
@@ -91,7 +91,7 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from bilinear_lm.modeling import triton_scan as ts
+        from bilinear_lm.modeling import scan_triton as ts
 
         common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
         forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",

@@ -2,10 +2,16 @@
 
 from transformers import PreTrainedConfig
 
-MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
+from .dispatch import IMPLS as RECURRENCE_IMPLS
+from .transitions import TRANSITIONS
+
+MIXER_TYPES = tuple(TRANSITIONS)  # the built-in transition types
 ACTIVATIONS = ("silu", "gelu", "relu")
-GATE_ACTIVATIONS = ("silu", "sigmoid")
-RECURRENCE_IMPLS = ("auto", "cpp", "triton", "torch", "reference")
+
+
+def swiglu_width(hidden_size: int) -> int:
+    """The SwiGLU MLP's default width: ``8/3 * hidden_size`` rounded up to a multiple of 32 (Llama's rule)."""
+    return 32 * -(-8 * hidden_size // 96)
 
 
 class BilinearConfig(PreTrainedConfig):
@@ -28,7 +34,7 @@ class BilinearConfig(PreTrainedConfig):
     `additive_input=True` adds `B x_t` to the update (the paper's ablation); it breaks scale invariance, so
     normalization then changes the outputs.
 
-    `recurrence_impl` picks how the CP recurrence runs (`ops.resolve_impl` decides; every other mixer type, and CP
+    `recurrence_impl` picks how the CP recurrence runs (`dispatch.resolve_impl` decides; every other mixer type, and CP
     with `additive_input`, always runs the plain loop): `"cpp"` (a C++ CPU kernel), `"triton"` (Triton GPU kernels),
     `"torch"` (a PyTorch scan, any device), `"reference"` (the plain loop that specifies it) or `"auto"`: Triton on
     CUDA when it imports, the C++ kernel on CPU when it builds, else the PyTorch scan; but the plain loop for one
@@ -37,9 +43,7 @@ class BilinearConfig(PreTrainedConfig):
 
     `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input
     (zero-initialized, so training starts from the model without it; `0` disables it). It leaves the recurrence
-    untouched: the cache also holds each layer's last `conv_width - 1` inputs. `conv_residual=True` moves it onto the
-    residual stream at the block's input (`h + conv(h)` before the mixer's norm), so the MLP and every later block
-    see the mixed neighbours too (as the "Canon layers" of Allen-Zhu's Physics of Language Models, part 4.1).
+    untouched: the cache also holds each layer's last `conv_width - 1` inputs.
 
     `write_channel=True` (CP only) gives each head one more state coordinate `c` with
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
@@ -47,14 +51,6 @@ class BilinearConfig(PreTrainedConfig):
     `coupled_write=True` (with the write channel) makes the write reuse the transition's input factors,
     `b(x) = W1 (u(x) * w)` with a learned `w`: the augmented transition then has rank `rank + 1` instead of
     `rank + state_size + 1`, so it costs about what the pure model does.
-    `gate_activation` is the readout gate's activation (`silu` or `sigmoid`).
-    `rotation_init_base > 0` (CP only) initializes `W1 = W2 O`, `O` block-diagonal 2x2 rotations by the angles
-    `base^(-2k / rank)` (RoPE's frequencies), so the rank-space transition starts at the rotation `W2^T W1 = O`:
-    orthogonal and not commuting with the input gains, where `0` (the default) starts every `A(x)` in one
-    eigenbasis (`W1 = W2`), where they commute.
-    `factor_bias_min < 1` (CP only) starts the input factors' offsets spread evenly over `[factor_bias_min, 1]`
-    instead of all at 1: with the write channel, each rank coordinate of `h` then starts forgetting the writes at
-    its own rate relative to `c` (a spread of time scales, as Mamba's decays).
     `input_factor_multiplier` scales the input factors' projection in the forward pass,
     `u(x) = factor_bias + input_factor_multiplier * (W_u x)`, with `W_u` initialized at
     `input_factor_init_std / input_factor_multiplier` (the same model at initialization). Under Adam, whose steps
@@ -79,11 +75,9 @@ class BilinearConfig(PreTrainedConfig):
     block_size: int = 2
     additive_input: bool = False
     conv_width: int = 0
-    conv_residual: bool = False
     write_channel: bool = False
     coupled_write: bool = False
     reset_state_at_eos: bool = False
-    gate_activation: str = "silu"
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
     use_gate: bool = True
@@ -94,8 +88,6 @@ class BilinearConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     input_factor_init_std: float = 0.02
     input_factor_multiplier: float = 1.0
-    rotation_init_base: float = 0.0
-    factor_bias_min: float = 1.0
     tie_word_embeddings: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -104,7 +96,7 @@ class BilinearConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None:
-            self.intermediate_size = 32 * -(-8 * self.hidden_size // (3 * 32))
+            self.intermediate_size = swiglu_width(self.hidden_size)
         self._validate()
         super().__post_init__(**kwargs)
 
@@ -125,18 +117,12 @@ class BilinearConfig(PreTrainedConfig):
                 or self.conv_width == 1:
             raise ValueError(f"BilinearConfig.conv_width must be 0 (no convolution) or an integer >= 2, "
                              f"got {self.conv_width!r}")
-        if self.conv_residual and not self.conv_width:
-            raise ValueError("BilinearConfig.conv_residual needs conv_width > 1 (the convolution it moves onto the "
-                             "residual stream)")
-        if self.mixer_type not in MIXER_TYPES:
-            raise ValueError(f"BilinearConfig.mixer_type must be one of {MIXER_TYPES}, got {self.mixer_type!r}")
+        if self.mixer_type not in TRANSITIONS:  # the live registry: a type registered by a user is valid too
+            raise ValueError(f"BilinearConfig.mixer_type must be one of {tuple(TRANSITIONS)}, got {self.mixer_type!r}")
         if self.recurrence_impl not in RECURRENCE_IMPLS:
             raise ValueError(
                 f"BilinearConfig.recurrence_impl must be one of {RECURRENCE_IMPLS}, got {self.recurrence_impl!r}"
             )
-        if self.gate_activation not in GATE_ACTIVATIONS:
-            raise ValueError(f"BilinearConfig.gate_activation must be one of {GATE_ACTIVATIONS}, "
-                             f"got {self.gate_activation!r}")
         if self.write_channel and (self.mixer_type != "cp" or self.additive_input):
             raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' without additive_input (it is a CP "
                              f"transition on [h; c]); got mixer_type={self.mixer_type!r}, "
@@ -147,12 +133,6 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError("BilinearConfig.reset_state_at_eos needs eos_token_id (the token that ends a document)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BilinearConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
-        if not self.rotation_init_base >= 0 or (self.rotation_init_base and self.mixer_type != "cp"):
-            raise ValueError(f"BilinearConfig.rotation_init_base must be >= 0 (0 disables it) and needs "
-                             f"mixer_type='cp'; got {self.rotation_init_base!r} with mixer_type={self.mixer_type!r}")
-        if not 0 < self.factor_bias_min <= 1 or (self.factor_bias_min < 1 and self.mixer_type != "cp"):
-            raise ValueError(f"BilinearConfig.factor_bias_min must be in (0, 1] (1 disables it) and needs "
-                             f"mixer_type='cp'; got {self.factor_bias_min!r} with mixer_type={self.mixer_type!r}")
         if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:
             raise ValueError(
                 f"BilinearConfig.state_size ({self.state_size}) must be divisible by block_size "

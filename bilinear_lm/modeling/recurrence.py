@@ -18,7 +18,7 @@ initial and final states ``[B, N, H]`` (an initial state ``[N, H]`` is broadcast
 
 :func:`reference_recurrence` is the specification: a plain loop, generic over the transition, usable in fp64;
 :func:`reference_step` is one step of it (decoding). The fast implementations of the CP transition (PyTorch, C++,
-Triton scans) and the one function that chooses among them live in ``ops.py``.
+Triton scans) and the one function that chooses among them live in ``dispatch.py``.
 """
 
 from dataclasses import dataclass
@@ -39,7 +39,7 @@ def cp_transition(h, u_t, W1, W2):
 class CPTransition:
     """The CP transition with its weights bound: ``CPTransition(W1, W2)(h, u_t) = cp_transition(h, u_t, W1, W2)``.
 
-    The one transition with fast implementations (``ops.recurrence`` recognises it)."""
+    The one transition with fast implementations (``dispatch.recurrence`` recognises it)."""
 
     W1: torch.Tensor
     W2: torch.Tensor

@@ -1,12 +1,12 @@
 """The one place that decides how a recurrence runs.
 
-* :func:`recurrence` runs a whole sequence, ``(transition, factors, h0, mask, chunk, offset) -> (states, final)``:
-  the CP transition (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other
-  transition the reference loop. :func:`resolve_impl` picks the scan: ``"cpp"`` (``cpu_kernels``, CPU fp32/fp64),
-  ``"triton"`` (``triton_scan``, CUDA; imported only when chosen), ``"torch"`` (``torch_scan``, any device) or
-  ``"reference"`` (the loop itself).
+* :func:`recurrence` runs a sequence, ``(map, factors, h0, mask, chunk, offset, impl, ...) -> (states, final)``:
+  a CP map (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other map the
+  reference loop, and a single position (decoding) one :func:`~.recurrence.reference_step`.
+  :func:`resolve_impl` picks the scan: ``"cpp"`` (the C++ CPU scan, ``bilinear_lm.kernels.cpu``, where the package
+  is installed; CPU fp32/fp64), ``"triton"`` (``scan_triton``, CUDA; imported only when chosen), ``"torch"``
+  (``scan``, any device) or ``"reference"`` (the loop itself).
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
-* :func:`fused_decode_weights` decides whether a decoding step of a block runs as one compiled call.
 
 The scans are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through them.
 """
@@ -15,11 +15,35 @@ import re
 
 import torch
 
-from .configuration_bilinear import RECURRENCE_IMPLS as IMPLS
-from .cpu_kernels import SMALL_BATCH_ROWS, DecodeBlockWeights, Linear, kernel_available_for, load_kernel
-from .recurrence import CPTransition, reference_recurrence
-from .torch_scan import scan_backward as torch_scan_backward
-from .torch_scan import scan_forward as torch_scan_forward
+from .recurrence import CPTransition, is_boundary, reference_recurrence, reference_step
+from .scan import scan_backward as torch_scan_backward
+from .scan import scan_forward as torch_scan_forward
+
+try:  # the compiled CPU scan ships with the package; remote code (save_pretrained) runs the PyTorch scan without it
+    from bilinear_lm.kernels.cpu import load as load_cpu_scan
+except ImportError:
+    load_cpu_scan = None
+
+IMPLS = ("auto", "cpp", "triton", "torch", "reference")
+
+
+@torch.compiler.assume_constant_result
+def cpu_scan_available() -> bool:
+    """Whether the C++ CPU scan is built, or builds now (once). ``torch.compile`` keeps the answer it traced."""
+    return load_cpu_scan is not None and load_cpu_scan() is not None
+
+
+def build_kernels(config, device_type: str) -> None:
+    """Build now what ``config.recurrence_impl`` will compile on ``device_type`` (the C++ scan on CPU), so that the
+    first training step (and its tokens/s) does not pay for the build. A no-op where nothing would be built (only
+    the CP transition without additive input runs a scan)."""
+    if device_type == "cpu" and config.recurrence_impl in ("auto", "cpp") and config.mixer_type == "cp" \
+            and not config.additive_input:
+        cpu_scan_available()
+
+
+def _cpu_scan_runs_on(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and cpu_scan_available()
 
 
 def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
@@ -38,10 +62,11 @@ def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
             return "triton"
         if u.shape[-1] > 2 * state_size:
             return "reference"
-        return "cpp" if kernel_available_for(u) else "torch"
-    if impl == "cpp" and not kernel_available_for(u):
-        raise RuntimeError("recurrence_impl='cpp' needs CPU fp32/fp64 tensors and a C++ compiler for the kernel "
-                           "build; use recurrence_impl='auto' or 'torch'")
+        return "cpp" if _cpu_scan_runs_on(u) else "torch"
+    if impl == "cpp" and not _cpu_scan_runs_on(u):
+        raise RuntimeError("recurrence_impl='cpp' needs CPU fp32/fp64 tensors, the installed package "
+                           "(pip install bilinear-lm) and a C++ compiler for the scan's build, without "
+                           "BILINEAR_LM_NO_CPP=1; use recurrence_impl='auto' or 'torch'")
     if impl == "triton" and not _triton_available(u.device.type):
         raise RuntimeError("recurrence_impl='triton' needs CUDA tensors and Triton (pip install triton; on CPU only "
                            "under TRITON_INTERPRET=1); use recurrence_impl='auto' or 'torch'")
@@ -50,7 +75,7 @@ def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
 
 @torch.compiler.assume_constant_result
 def _triton_available(device_type: str) -> bool:
-    from .triton_scan import available  # imported only here: CPU-only use never loads Triton
+    from .scan_triton import available  # imported only here: CPU-only use never loads Triton
 
     return available(device_type)
 
@@ -58,10 +83,10 @@ def _triton_available(device_type: str) -> bool:
 def _scan_functions(impl: str):
     """``(scan_forward, scan_backward)`` of ``impl`` (remote code can import only ``from .module import name``)."""
     if impl == "cpp":
-        kernel = load_kernel()
+        kernel = load_cpu_scan()
         return kernel.scan_forward, kernel.scan_backward
     if impl == "triton":
-        from .triton_scan import scan_backward, scan_forward
+        from .scan_triton import scan_backward, scan_forward
 
         return scan_forward, scan_backward
     return torch_scan_forward, torch_scan_backward
@@ -75,7 +100,7 @@ _NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
 def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
             offset: int, restart: torch.Tensor, p_start: torch.Tensor,
             impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rank-space scan ``(G, P, S)`` of ``torch_scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
+    """The rank-space scan ``(G, P, S)`` of ``scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
     return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
 
 
@@ -88,7 +113,7 @@ def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, impl):
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan_backward", mutates_args=())
 def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
                      impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan's reverse loop: ``(DGT, DP, dp0, dp_start)`` of ``torch_scan.scan_backward``."""
+    """The scan's reverse loop: ``(DGT, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
     DGT, DP = torch.empty_like(su), torch.empty_like(su)
     dp0, dp_start = _scan_functions(impl)[1](dG, su, MtT, keep, restart, DGT, DP)
     return DGT, DP, dp0, dp_start
@@ -159,36 +184,19 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
                additive=None, reset=None, h_start=None):
     """Run a mixer's recurrence over a sequence: ``(states [B, T, N, H], final [B, N, H])``.
 
-    ``transition``: a :class:`~.recurrence.CPTransition` or any ``(h, factors_t) -> A(x_t) h``; the other arguments
-    as in :func:`~.recurrence.reference_recurrence`. Only the CP transition without additive input has fast paths.
+    ``transition``: a :class:`~.recurrence.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; the other
+    arguments as in :func:`~.recurrence.reference_recurrence`. A single position runs one
+    :func:`~.recurrence.reference_step` (its overflow guard on whenever ``chunk > 0``); longer sequences of the CP
+    map without additive input run a rank-space scan, every other one the reference loop.
     """
-    if isinstance(transition, CPTransition) and additive is None:
-        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)
     if impl not in IMPLS:
         raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
+    if factors.shape[1] == 1:
+        h = reference_step(transition, factors[:, 0], h0.expand(factors.shape[0], *h0.shape[-2:]),
+                           None if mask is None else mask[:, 0], is_boundary(chunk, offset, 0), guard=chunk > 0,
+                           additive_t=None if additive is None else additive[:, 0],
+                           reset_t=None if reset is None else reset[:, 0], h_start=h_start)
+        return h[:, None], h
+    if isinstance(transition, CPTransition) and additive is None:
+        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)
     return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive, reset, h_start)
-
-
-def fused_decode_weights(block, x) -> DecodeBlockWeights | None:
-    """The weights for the compiled one-call decoding step of ``block`` on ``x`` if it covers this call, else None.
-
-    Covered: one position, at most ``SMALL_BATCH_ROWS`` rows, no gradients, no autocast, CPU fp32/fp64 with every
-    weight contiguous and in ``x``'s dtype, the CP mixer without additive input, convolution or write channel, silu
-    gate, silu MLP or none, recurrence ``auto`` or ``cpp``, and the projections still this package's ``Linear`` (adapters such as LoRA that replace
-    them take the modules; forward hooks on the submodules are not run by the fused step).
-    """
-    cfg, mixer, mlp = block.mixer.config, block.mixer, block.mlp
-    if not (x.shape[1] == 1 and x.shape[0] <= SMALL_BATCH_ROWS and not torch.is_grad_enabled()
-            and cfg.mixer_type == "cp" and not (cfg.additive_input or cfg.conv_width or cfg.write_channel)
-            and cfg.hidden_act == "silu" and cfg.gate_activation == "silu"
-            and cfg.recurrence_impl in ("auto", "cpp") and not torch.is_autocast_enabled(x.device.type)
-            and all(type(m) is Linear for m in block.projections())
-            and kernel_available_for(x)):
-        return None
-    empty = x.new_empty(0)
-    weights = DecodeBlockWeights(
-        mixer_norm=block.mixer_norm.weight, in_proj=mixer.in_proj.weight, factor_bias=mixer.factor_bias,
-        W1=mixer.W1, W2=mixer.W2, state_norm=mixer.state_norm.weight, out_proj=mixer.out_proj.weight,
-        mlp_norm=block.mlp_norm.weight if mlp else empty, gate_up_proj=mlp.gate_up_proj.weight if mlp else empty,
-        down_proj=mlp.down_proj.weight if mlp else empty)
-    return weights if all(w.dtype == x.dtype and w.is_contiguous() for w in weights) else None

@@ -1,4 +1,4 @@
-"""The CP rank-space scan as Triton GPU kernels: the same entry points as ``torch_scan`` (see its docstring).
+"""The CP rank-space scan as Triton GPU kernels: the same entry points as ``scan`` (see its docstring).
 
 Each program runs one head for a block of ``BLOCK_B`` batch rows over the whole sequence: ``M^T`` and ``W1^T`` stay
 on-chip, the state ``p`` in registers, and every step is one ``tl.dot([rows, R], [R, R])``. The chunked
@@ -163,7 +163,7 @@ if triton is not None:
 
 
 def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start):
-    """The scan's forward (``torch_scan.scan_forward``'s signature and results)."""
+    """The scan's forward (``scan.scan_forward``'s signature and results)."""
     T, N, B, R = u.shape
     H = W1.shape[1]
     G, P = torch.empty_like(u), u.new_empty(T + 1, N, B, R)
@@ -179,7 +179,7 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start)
 
 
 def scan_backward(dG, su, MtT, keep, restart, DGT, DP):
-    """The scan's reverse loop (``torch_scan.scan_backward``'s signature and results)."""
+    """The scan's reverse loop (``scan.scan_backward``'s signature and results)."""
     T, N, B, R = su.shape
     dp0, dp_start = su.new_empty(N, B, R), su.new_empty(N, B, R)
     dummy = su.new_empty(1, dtype=torch.int8)

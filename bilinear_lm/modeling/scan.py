@@ -1,6 +1,6 @@
 """The CP rank-space scan in PyTorch: any device, one batched matmul over heads per step.
 
-The same two entry points as the C++ kernel (``cpu_kernels``) and the Triton kernel (``triton_scan``), which compute
+The same two entry points as the C++ kernel (``bilinear_lm/kernels/cpu/scan.cpp``) and the Triton kernel (``scan_triton``), which compute
 exactly this (tested against it and against the reference loop). Layout ``[T, N, B, R]`` (time, heads, batch, rank):
 
 * ``scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start) -> (G, P, S)`` runs
@@ -14,7 +14,7 @@ exactly this (tested against it and against the reference loop). Layout ``[T, N,
 * ``scan_backward(dG, su, MtT, keep, restart, DGT, DP) -> (dp0, dp_start)``: the reverse loop, given ``dL/dg_t`` and
   ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t`` entering step ``t``'s
   matmul, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row (``[N, B, R]``).
-  The gradients of ``u`` and ``Mt`` follow from them in bulk (``ops``).
+  The gradients of ``u`` and ``Mt`` follow from them in bulk (``dispatch``).
 """
 
 import torch

@@ -1,0 +1,199 @@
+// The CP rank-space scan on CPU: the C++ twin of bilinear_lm/modeling/scan.py (scan_forward / scan_backward, same
+// signatures and results; tested against it and against the reference loop). Every (head, batch row) evolves
+// independently, so each is one thread's sequential loop over time with no per-step synchronization or dispatch.
+// Built by bilinear_lm/kernels/cpu/__init__.py (torch.utils.cpp_extension), which defines BILINEAR_SAFE_MIN and
+// BILINEAR_SAFE_MAX, the overflow guard's range, from bilinear_lm/modeling/recurrence.py (SAFE_MIN, SAFE_MAX).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// The overflow guard's test (recurrence.in_safe_range): the peak |v_i| lies in the safe range; a NaN fails.
+template <typename scalar_t>
+bool in_safe_range(const scalar_t* v, int64_t n) {
+  scalar_t peak = 0;
+  int nan = 0;
+#pragma omp simd reduction(max : peak) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t a = std::abs(v[i]);
+    peak = a > peak ? a : peak;
+    nan |= a != a;
+  }
+  return !nan && peak < scalar_t(BILINEAR_SAFE_MAX) && peak > scalar_t(BILINEAR_SAFE_MIN);
+}
+
+// ||v|| clamped to the smallest normal number, as in recurrence.scale_at_boundary and BilinearStateNorm.
+template <typename scalar_t>
+scalar_t clamped_norm(const scalar_t* v, int64_t n) {
+  scalar_t norm2 = 0;
+#pragma omp simd reduction(+ : norm2)
+  for (int64_t i = 0; i < n; ++i) norm2 += v[i] * v[i];
+  return std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
+}
+
+// out[c] = base[c] + sum_r g[r] M[r, c] (no base: 0) for M [R, C] row-major: a row vector times a small matrix,
+// in column blocks whose accumulators stay in registers (the step-to-step chain of the scan).
+template <typename scalar_t, int W>
+inline void vec_mat_block(const scalar_t* __restrict__ g, const scalar_t* __restrict__ M, const scalar_t* base,
+                          int64_t R, int64_t C, int64_t c0, scalar_t* __restrict__ out) {
+  scalar_t acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = base ? base[c0 + j] : scalar_t(0);
+  for (int64_t r = 0; r < R; ++r) {
+    const scalar_t gr = g[r];
+    const scalar_t* __restrict__ Mr = M + r * C + c0;
+    for (int j = 0; j < W; ++j) acc[j] += gr * Mr[j];
+  }
+  for (int j = 0; j < W; ++j) out[c0 + j] = acc[j];
+}
+
+template <typename scalar_t>
+inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, scalar_t* out,
+                    const scalar_t* base = nullptr) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= C; c0 += 64) vec_mat_block<scalar_t, 64>(g, M, base, R, C, c0, out);
+  if (c0 + 32 <= C) { vec_mat_block<scalar_t, 32>(g, M, base, R, C, c0, out); c0 += 32; }
+  if (c0 + 16 <= C) { vec_mat_block<scalar_t, 16>(g, M, base, R, C, c0, out); c0 += 16; }
+  for (; c0 < C; ++c0) vec_mat_block<scalar_t, 1>(g, M, base, R, C, c0, out);
+}
+
+// Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
+// keep, restart: [T, B] bool or empty; p_start: [N, R]. Each (head, row) runs its whole sequence in one thread,
+// chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed for that (head, row) normalizing
+// every step. A restart step reads p_start instead of the previous p (P holds each step's input).
+template <typename scalar_t>
+struct RowScan {
+  const scalar_t* u; const scalar_t* M; const scalar_t* W1T; const bool* keep; const bool* restart;
+  const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
+  int64_t N, B, R, H, n, b, chunk, offset;
+
+  // Steps [t0, t1); returns whether every step's peak |g| stayed in the safe range.
+  bool run(int64_t t0, int64_t t1, bool every_step) {
+    bool in_range = true;
+    std::vector<scalar_t> hv(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t row = (t * N + n) * B + b;
+      const scalar_t* __restrict__ ut = u + row * R;
+      scalar_t* __restrict__ pt = P + row * R;
+      if (restart && restart[t * B + b])
+        for (int64_t r = 0; r < R; ++r) pt[r] = p_start[r];
+      scalar_t* __restrict__ pn = P + (row + N * B) * R;
+      scalar_t* __restrict__ g = G + row * R;
+      const bool keep_t = keep ? keep[t * B + b] : true;
+      for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
+      scalar_t s = 1;
+      const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
+      if ((every_step || boundary) && keep_t) {
+        vec_mat(g, W1T, R, H, hv.data());  // h = W1 g
+        s = scalar_t(1) / clamped_norm(hv.data(), H);
+        for (int64_t r = 0; r < R; ++r) g[r] *= s;
+      }
+      S[row] = s;
+      in_range = in_safe_range(g, R) && in_range;
+      if (keep_t) {
+        vec_mat(g, M, R, R, pn);
+      } else {
+        for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
+      }
+    }
+    return in_range;
+  }
+};
+
+std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
+                                        torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
+                                        torch::Tensor p_start) {
+  const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
+  auto G = torch::empty_like(u);
+  auto P = torch::empty({T + 1, N, B, R}, u.options());
+  auto S = torch::empty({T, N, B, 1}, u.options());
+  auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h = W1 g is a vec_mat
+  P[0].copy_(p0);
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
+    const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+    const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
+    at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int64_t n = nb / B, b = nb % B;
+        RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
+                               W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
+                               rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr, P.data_ptr<scalar_t>(),
+                               G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset};
+        for (int64_t t0 = 0; t0 < T;) {
+          const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
+          if (!scan.run(t0, t1, false) && chunk > 0) scan.run(t0, t1, true);
+          t0 = t1;
+        }
+      }
+    });
+  });
+  return {G, P, S};
+}
+
+// Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and
+// DP (grad of p_t entering step t's matmul, zero where padded), and the grads of p_0 and of p_start per row.
+template <typename scalar_t>
+void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const torch::Tensor& MtT,
+                     const torch::Tensor& keep, const torch::Tensor& restart, torch::Tensor& DGT, torch::Tensor& DP,
+                     torch::Tensor& dp0, torch::Tensor& dp_start) {
+  const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
+  const scalar_t* dgp = dG.data_ptr<scalar_t>();
+  const scalar_t* sup = su.data_ptr<scalar_t>();
+  const scalar_t* mp = MtT.data_ptr<scalar_t>();
+  const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+  const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
+  scalar_t* dsp = dp_start.data_ptr<scalar_t>();
+  scalar_t* dgtp = DGT.data_ptr<scalar_t>();
+  scalar_t* dpp = DP.data_ptr<scalar_t>();
+  scalar_t* outp = dp0.data_ptr<scalar_t>();
+  at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> dp(R);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n = nb / B, b = nb % B;
+      const scalar_t* M = mp + n * R * R;
+      scalar_t* ds = dsp + (n * B + b) * R;
+      std::fill(dp.begin(), dp.end(), scalar_t(0));
+      std::fill(ds, ds + R, scalar_t(0));
+      for (int64_t t = T - 1; t >= 0; --t) {
+        const int64_t row = (t * N + n) * B + b;
+        const bool keep_t = kp ? kp[t * B + b] : true;
+        scalar_t* __restrict__ dpt = dpp + row * R;
+        scalar_t* __restrict__ dgt = dgtp + row * R;
+        const scalar_t* __restrict__ dgo = dgp + row * R;
+        const scalar_t* __restrict__ sut = sup + row * R;
+        for (int64_t r = 0; r < R; ++r) dpt[r] = keep_t ? dp[r] : scalar_t(0);
+        if (keep_t) {
+          vec_mat(dpt, M, R, R, dgt, dgo);  // dgt = dgo + dp @ Mt^T
+          for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r];
+        } else {
+          for (int64_t r = 0; r < R; ++r) dgt[r] = dgo[r];
+          for (int64_t r = 0; r < R; ++r) dp[r] += sut[r] * dgt[r];
+        }
+        if (rp && rp[t * B + b]) {  // this step's input was p_start, not the previous step's output
+          for (int64_t r = 0; r < R; ++r) { ds[r] += dp[r]; dp[r] = 0; }
+        }
+      }
+      scalar_t* out = outp + (n * B + b) * R;
+      for (int64_t r = 0; r < R; ++r) out[r] = dp[r];
+    }
+  });
+}
+
+std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
+                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP) {
+  auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
+  auto dp_start = torch::empty_like(dp0);
+  AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
+    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, DGT, DP, dp0, dp_start);
+  });
+  return {dp0, dp_start};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pybind11::arg;
+  m.def("scan_forward", &scan_forward, arg("u"), arg("Mt"), arg("W1"), arg("keep"), arg("p0"), arg("chunk"),
+        arg("offset"), arg("restart"), arg("p_start"));
+  m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("restart"), arg("DGT"),
+        arg("DP"));
+}

@@ -1,0 +1,241 @@
+"""Transition types of the bilinear mixer: one small class each, ``h_t = A(x_t) h_{t-1}`` per head.
+
+A transition owns its parameters, their initialization, the number of input factors it reads per head, how raw
+projections become factors (offset, scale, activation) and the map ``h -> A(u) h``; :meth:`Transition.forward` runs
+the whole recurrence through the one dispatch point (``dispatch.recurrence``). The mixer owns the projections and
+the readout only. A new type is a subclass here, registered in ``TRANSITIONS`` (the config validates
+``mixer_type`` against it).
+
+Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, rank ``R``; factors ``[B, T, N, F]``.
+"""
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .dispatch import recurrence
+from .recurrence import CPTransition, block_diagonal_transition, diagonal_transition, full_transition, \
+    rotation_transition
+
+
+class Transition(nn.Module):
+    """Base class. Subclasses set ``factor_size`` (factors per head the map reads) and define :meth:`map`.
+
+    ``input_size``: the projection rows per head it reads (``factor_size`` unless :meth:`factors` derives more);
+    ``state_size``: the state it runs on (the config's, plus one coordinate with the write channel).
+    Factors are ``factor_bias + input_factor_multiplier * raw`` (then :meth:`activation`), so under Adam the
+    multiplier is their learning rate relative to the other weights' (the projection starts at
+    ``input_factor_init_std / multiplier``: the same model at initialization).
+    """
+
+    factor_size: int
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.num_heads, self.state_size = config.num_heads, config.state_size
+        self.input_size = self.factor_size
+        self.factor_bias = nn.Parameter(torch.empty(config.num_heads, self.factor_size))
+
+    def input_init_std(self) -> torch.Tensor:
+        """``[input_size]``: the initialization std of each projection row this transition reads."""
+        cfg = self.config
+        return torch.full((self.input_size,), cfg.input_factor_init_std / cfg.input_factor_multiplier)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Transitions start near the identity (factors ``1 + small noise``), so that long products of them neither
+        explode nor vanish: what made training work in our measurements (plain random init was much worse)."""
+        init.ones_(self.factor_bias)
+
+    def activation(self, factors):
+        return factors
+
+    def factors(self, raw):
+        """``[B, T, N, input_size]`` projections -> ``[B, T, N, factor_size]`` factors (in the dtype of ``raw``)."""
+        if self.config.input_factor_multiplier != 1:
+            raw = raw * self.config.input_factor_multiplier
+        return self.activation(raw + self.factor_bias.to(raw.dtype))
+
+    def map(self, dtype):
+        """The map ``(h [B, N, S], u_t [B, N, F]) -> A(u_t) h`` with the weights cast to ``dtype`` once
+        (a :class:`~.recurrence.CPTransition` where the fast rank-space scans apply)."""
+        raise NotImplementedError
+
+    def forward(self, raw, h0, h_start, mask=None, offset: int = 0, additive=None, reset=None):
+        """Run the recurrence: ``raw`` ``[B, T, N, input_size]`` projections, ``h0`` the incoming state
+        (``[N, S]`` or ``[B, N, S]``), ``h_start`` the learned start (a document restarts from it where ``reset``).
+        Returns ``(states [B, T, N, S], final [B, N, S])`` in ``raw``'s dtype (at least fp32)."""
+        u = self.factors(raw)
+        cfg = self.config
+        return recurrence(self.map(u.dtype), u, h0.to(u.dtype), mask, cfg.norm_chunk_size, offset,
+                          cfg.recurrence_impl, additive, reset, h_start.to(u.dtype))
+
+
+class CP(Transition):
+    """``A(x) = W1 diag(u(x)) W2^T`` (CP-factored, rank ``R``), with ``W1, W2: [N, H, R]``.
+
+    ``W1 = W2 = Q`` with orthonormal columns at init, so ``M = W2^T W1 = I``. With ``write_channel`` each head has
+    one more state coordinate ``c``: ``[h; c] -> [[A(x), b(x)], [0, gamma(x)]] [h; c]`` (``gamma = exp(.)``), an
+    additive-like write with a forget rate that keeps the update linear and homogeneous, run as a CP transition on
+    ``[h; c]`` (:func:`write_channel_weights`); ``coupled_write`` reuses the input factors for the write,
+    ``b(x) = W1 (u(x) * w)`` (:func:`coupled_write_channel_weights`, rank ``R + 1``).
+    """
+
+    def __init__(self, config):
+        self.factor_size = config.rank
+        super().__init__(config)
+        N, H, R = config.num_heads, config.state_size, config.rank
+        self.W1 = nn.Parameter(torch.empty(N, H, R))
+        self.W2 = nn.Parameter(torch.empty(N, H, R))
+        if config.write_channel:
+            self.state_size = H + 1
+            self.input_size = R + (1 if config.coupled_write else H + 1)  # [u | gamma] or [u | b | gamma]
+        if config.coupled_write:
+            self.write_vector = nn.Parameter(torch.empty(N, R))  # w of coupled_write_channel_weights
+
+    def input_init_std(self):
+        std = super().input_init_std()
+        std[self.factor_size:] = self.config.initializer_range  # the write channel's rows: plain projections
+        return std
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        N, H, R = self.W1.shape
+        q, _ = torch.linalg.qr(torch.randn(N, max(H, R), min(H, R)))
+        q = q if H >= R else q.transpose(1, 2)
+        init.copy_(self.W1, q)
+        init.copy_(self.W2, q)
+        if self.config.coupled_write:  # writes W1 (u * w) start at about the state's unit norm
+            init.copy_(self.write_vector, torch.randn(N, R) / math.sqrt(R))
+
+    def factors(self, raw):
+        R = self.factor_size
+        u = super().factors(raw[..., :R])
+        if not self.config.write_channel:
+            return u
+        write = raw[..., R:]  # [b | log gamma] or [log gamma]: factors [u | b | gamma] or [u | gamma]
+        return torch.cat([u, write[..., :-1], write[..., -1:].exp()], dim=-1)
+
+    def map(self, dtype):
+        W1, W2 = self.W1.to(dtype), self.W2.to(dtype)
+        if self.config.coupled_write:
+            return CPTransition(*coupled_write_channel_weights(W1, W2, self.write_vector.to(dtype)))
+        if self.config.write_channel:
+            return CPTransition(*write_channel_weights(W1, W2))
+        return CPTransition(W1, W2)
+
+
+class Full(Transition):
+    """``A(x) = sum_k u_k(x) W_k``: one ``H x H`` matrix per input factor (``rank`` of them), ``W: [N, H, H, R]``."""
+
+    def __init__(self, config):
+        self.factor_size = config.rank
+        super().__init__(config)
+        self.W = nn.Parameter(torch.empty(config.num_heads, *self.block_shape(config), config.rank))
+
+    @staticmethod
+    def block_shape(config):
+        return config.state_size, config.state_size
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """``W_k = I / R + noise``: the factors sum to about the identity."""
+        super().reset_parameters()
+        b, R = self.W.shape[-2], self.W.shape[-1]
+        eye = torch.eye(b).unsqueeze(-1) / R
+        init.copy_(self.W, eye.expand(self.W.shape) + torch.randn(self.W.shape) / (b * math.sqrt(R)))
+
+    def map(self, dtype):
+        return partial(full_transition, W=self.W.to(dtype))
+
+
+class BlockDiagonal(Full):
+    """Full bilinear blocks of size ``block_size`` on the diagonal, ``W: [N, H / b, b, b, R]``."""
+
+    @staticmethod
+    def block_shape(config):
+        b = config.block_size
+        return config.state_size // b, b, b
+
+    def map(self, dtype):
+        return partial(block_diagonal_transition, W=self.W.to(dtype))
+
+
+class Rotation(Transition):
+    """2x2 rotation/scaling blocks (a complex diagonal), each entry linear in ``x``: factors ``(a, c)`` per block,
+    ``[[a, -c], [c, a]]``; starts at ``(1, 0)``, the identity."""
+
+    def __init__(self, config):
+        self.factor_size = config.state_size
+        super().__init__(config)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        init.copy_(self.factor_bias, torch.tensor([1.0, 0.0]).repeat(self.num_heads, self.factor_size // 2))
+
+    def map(self, dtype):
+        return rotation_transition
+
+
+class Diagonal(Transition):
+    """A real diagonal, linear in ``x`` (may be negative: solves parity, not modular addition)."""
+
+    def __init__(self, config):
+        self.factor_size = config.state_size
+        super().__init__(config)
+
+    def map(self, dtype):
+        return diagonal_transition
+
+
+class PositiveDiagonal(Diagonal):
+    """A diagonal in ``(0, 1)`` (``sigmoid``), Mamba-like; starts at slow decays in ``(0.9, 0.999)``, as Mamba."""
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        decay = torch.linspace(0.9, 0.999, self.factor_size).repeat(self.num_heads, 1)
+        init.copy_(self.factor_bias, torch.logit(decay))
+
+    def activation(self, factors):
+        return torch.sigmoid(factors)
+
+
+# mixer_type -> class (the expressivity hierarchy: full > cp > block_diagonal > rotation > diagonal > positive).
+TRANSITIONS = {"cp": CP, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation, "diagonal": Diagonal,
+               "positive_diagonal": PositiveDiagonal}
+
+
+def write_channel_weights(W1, W2):
+    """CP weights ``[N, H+1, R+H+1]`` of the write-channel transition ``[[A(x), b(x)], [0, gamma(x)]]`` on ``[h; c]``.
+
+    With factors ``[u | b | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + b c; gamma c]``. The update stays
+    linear and homogeneous in ``[h; c]`` (so chunked normalization of both together stays exact) and runs on every
+    CP path, yet ``b(x) c`` writes like an additive input, forgotten at a rate set by ``gamma`` relative to ``A``.
+    """
+    N, H, R = W1.shape
+    eye, zeros = torch.eye(H, dtype=W1.dtype, device=W1.device).expand(N, H, H), W1.new_zeros(N, H, H + 1)
+    top1 = torch.cat([W1, eye, W1.new_zeros(N, H, 1)], dim=-1)
+    bottom1 = torch.cat([W1.new_zeros(N, 1, R + H), W1.new_ones(N, 1, 1)], dim=-1)
+    top2 = torch.cat([W2, zeros], dim=-1)
+    bottom2 = torch.cat([W2.new_zeros(N, 1, R), W2.new_ones(N, 1, H + 1)], dim=-1)
+    return torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1)
+
+
+def coupled_write_channel_weights(W1, W2, w):
+    """CP weights ``[N, H+1, R+1]`` of the coupled write channel: the write reuses the transition's input factors.
+
+    With factors ``[u | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * (W2^T h + w c)); gamma c]``, so the write is
+    ``b(x) = W1 (u(x) * w)`` (``w [N, R]`` learned). Linear and homogeneous in ``[h; c]`` like
+    :func:`write_channel_weights`, at rank ``R + 1`` instead of ``R + H + 1``: about the pure model's cost.
+    """
+    N, H, R = W1.shape
+    W1c = torch.cat([torch.cat([W1, W1.new_zeros(N, H, 1)], dim=-1),
+                     torch.cat([W1.new_zeros(N, 1, R), W1.new_ones(N, 1, 1)], dim=-1)], dim=1)
+    W2c = torch.cat([torch.cat([W2, W2.new_zeros(N, H, 1)], dim=-1),
+                     torch.cat([w[:, None, :], W2.new_ones(N, 1, 1)], dim=-1)], dim=1)
+    return W1c, W2c
