@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import bilinear_lm
-from bilinear_lm.lm_harness import TASKS_DIR
+from bilinear_lm.evaluation.harness import TASKS_DIR
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
