@@ -49,7 +49,7 @@ def test_query_accuracy_counts_only_queries():
 
 
 def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
-    from eval.recall import main
+    from bilinear_lm.probes.recall_cli import main
 
     args = ["--models", "bilinear-conv-write,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
             "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",

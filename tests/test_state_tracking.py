@@ -1,5 +1,5 @@
 """The state-tracking probes: the library (bilinear_lm.probes: models, training, length generalization) and
-the CLI around it (eval/state_tracking.py: single runs, sweeps, tables, plots), at tiny budgets."""
+the CLI around it (bilinear_lm.probes.cli: single runs, sweeps; report: tables, plots), at tiny budgets."""
 import dataclasses
 import json
 import time
@@ -10,7 +10,8 @@ import torch
 from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel
 from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits,
                                 evaluate, make_task, run_probe, state_consistency_loss)
-from eval import state_tracking as st
+from bilinear_lm.probes import cli as st
+from bilinear_lm.probes import report
 
 TINY = ["--threads", "1", "--val-size", "50", "--test-size", "40", "--hidden-size", "8", "--state-size", "8",
         "--eval-every", "5"]
@@ -290,7 +291,7 @@ def test_state_consistency_loss_names_a_capture_mismatch():
 def test_runs_with_and_without_state_consistency_are_separate_rows():
     base = {"task": "parity", "task_params": {}, "model": "bilinear-cp", "seed": 0}
     a, b = dict(base), dict(base, state_consistency=5.0)
-    assert st.run_key(a) != st.run_key(b)
-    assert st.model_label(a) == "bilinear-cp" and st.model_label(b) == "bilinear-cp +consistency 5"
+    assert report.run_key(a) != report.run_key(b)
+    assert report.model_label(a) == "bilinear-cp" and report.model_label(b) == "bilinear-cp +consistency 5"
     c = dict(base, model_config={"write_channel": True})
-    assert st.run_key(c) != st.run_key(a) and st.model_label(c) == "bilinear-cp +write"
+    assert report.run_key(c) != report.run_key(a) and report.model_label(c) == "bilinear-cp +write"

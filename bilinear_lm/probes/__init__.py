@@ -6,7 +6,8 @@
     result = run_probe(make_task("parity"), "bilinear-diagonal", seed=0, config=ProbeConfig(steps=600))
 
 Tasks: ``tasks.py`` / ``automata.py``; models: ``models.py``; training and evaluation: ``training.py``;
-settings: ``config.py``. Tables, plots, sweeps and the CLI live in ``eval/state_tracking.py``.
+settings: ``config.py``; the MQAR recall probe: ``recall.py``. Tables and plots: ``report.py``; the command lines
+(sweeps included): ``cli.py`` (``bilinear-probes``) and ``recall_cli.py`` (``bilinear-recall``).
 """
 from .automata import Automaton, load_automaton
 from .config import ProbeConfig

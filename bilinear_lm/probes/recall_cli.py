@@ -1,0 +1,71 @@
+"""Multi-query associative recall (MQAR) sweep: accuracy vs number of key-value pairs, per model (CLI and table).
+
+``bilinear-recall`` once installed, ``python eval/recall.py`` in a checkout (same arguments). The data, models and
+training are ``bilinear_lm.probes.recall`` (``mqar``, ``run_recall``, ``RecallConfig``); this CLI runs the grid,
+resumes from its results file, and writes a markdown table.
+
+    bilinear-recall --models bilinear,bilinear-conv,bilinear-write,llama,lstm --pairs 4,8,16 \
+        --seq-len 64 --steps 600 --output-dir runs/recall
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .cli import parse_list
+from .recall import RECALL_MODELS, RecallConfig, run_recall
+from .report import recall_table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="bilinear,bilinear-conv,bilinear-write,llama,lstm",
+                   help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
+    p.add_argument("--pairs", default="4,8,16", help="numbers of key-value pairs")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seeds", default="0")
+    defaults = RecallConfig()
+    for name in ("vocab_size", "test_size", "steps", "batch_size", "hidden_size", "num_layers",
+                 "num_heads", "state_size"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 for bilinear models, 1e-3 for the baselines")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--output-dir", default="runs/recall")
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - set(RECALL_MODELS))
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {list(RECALL_MODELS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    runs = json.loads(results_path.read_text()) if results_path.exists() else []
+    done = {(r["model"], r["seq_len"], r["num_pairs"], r["seed"]) for r in runs}
+    for pairs in parse_list(args.pairs, int, "--pairs"):
+        try:
+            config = RecallConfig(seq_len=args.seq_len, num_pairs=pairs, vocab_size=args.vocab_size,
+                                  test_size=args.test_size, steps=args.steps,
+                                  batch_size=args.batch_size, lr=args.lr, hidden_size=args.hidden_size,
+                                  num_layers=args.num_layers, num_heads=args.num_heads, state_size=args.state_size)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
+        for seed in parse_list(args.seeds, int, "--seeds"):
+            for model in models:
+                if (model, args.seq_len, pairs, seed) in done:
+                    continue
+                try:
+                    runs.append(run_recall(model, config, seed))
+                except ValueError as err:
+                    raise SystemExit(f"error: {err}") from None
+                tmp = results_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(runs, indent=1))
+                tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
+    table = recall_table(runs)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
