@@ -59,3 +59,20 @@ def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
     assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
     assert "| bilinear-conv-write |" in (tmp_path / "table.md").read_text()
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
+
+
+def test_recall_cli_flags_are_the_config_fields():
+    """Every RecallConfig field but the grid's num_pairs (``--pairs``) is a flag with the field's default."""
+    import dataclasses
+
+    from bilinear_lm.probes.cli import config_from_args
+    from bilinear_lm.probes.recall_cli import build_parser
+
+    args = build_parser().parse_args([])
+    assert config_from_args(RecallConfig, args, num_pairs=8) == RecallConfig()
+    args = build_parser().parse_args(["--seq-len", "32", "--lr", "0.01", "--state-size", "8"])
+    assert config_from_args(RecallConfig, args, num_pairs=2) == RecallConfig(seq_len=32, lr=0.01, state_size=8,
+                                                                           num_pairs=2)
+    flags = {a.dest for a in build_parser()._actions}
+    assert {f.name for f in dataclasses.fields(RecallConfig)} - flags == {"num_pairs", "extra"}
+

@@ -136,10 +136,46 @@ def test_run_probe_refuses_bad_input_before_training():
 def test_cli_maps_its_flags_onto_the_probe_config():
     args = st.build_parser().parse_args([*TINY, "--train-lengths", "3-7", "--test-lengths", "40,80", "--gate",
                                          "--rank", "5", "--state-consistency", "2", "--max-seconds", "9"])
-    assert st.config_from_args(args) == dataclasses.replace(
+    assert st.config_from_args(ProbeConfig, args) == dataclasses.replace(
         TINY_CONFIG, train_lengths=(3, 7), test_lengths=(40, 80), gate=True, rank=5, state_consistency=2.0,
         max_seconds=9.0)
-    assert st.config_from_args(st.build_parser().parse_args([])) == ProbeConfig()  # same defaults
+    assert st.config_from_args(ProbeConfig, st.build_parser().parse_args([])) == ProbeConfig()  # same defaults
+
+
+def test_every_probe_config_field_is_a_flag_with_its_default_and_help():
+    """The flags are made from ProbeConfig's fields: each field's flag, default and help text come from the field."""
+    actions = {a.dest: a for a in st.build_parser()._actions}
+    for f in dataclasses.fields(ProbeConfig):
+        action = actions[f.name]
+        assert action.option_strings == ["--" + f.name.replace("_", "-")]
+        assert action.default == f.default and action.help.startswith(f.metadata["help"])
+
+
+def test_config_flags_follow_the_field_types():
+    """A config class of every supported field type: flags parse into the field's type, defaults round-trip."""
+    import argparse
+
+    from bilinear_lm.probes.config import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        count: int = option(3, "an int")
+        scale: float | None = option(None, "an optional float")
+        mode: str = option("a", "a choice", choices=("a", "b"))
+        span: tuple[int, int] = option((2, 10), "a range")
+        lengths: tuple[int, ...] = option((5,), "a list")
+        on: bool = option(False, "a switch")
+        off: bool = option(True, "a switch that defaults on")
+
+    parser = argparse.ArgumentParser()
+    st.add_config_flags(parser, Settings)
+    assert st.config_from_args(Settings, parser.parse_args([])) == Settings()
+    args = parser.parse_args(["--count", "4", "--scale", "0.5", "--mode", "b", "--span", "3-7", "--lengths", "8,9",
+                              "--on", "--no-off"])
+    assert st.config_from_args(Settings, args) == Settings(4, 0.5, "b", (3, 7), (8, 9), True, False)
+    assert "(default: 2-10)" in parser.format_help() and "(default: 5)" in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--span", "two"])
 
 
 def test_cli_single_run_writes_results_json(tmp_path):

@@ -42,8 +42,11 @@ models are causal and prefixes of samples are samples) is what the accuracy-vs-l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+import types
+import typing
 from pathlib import Path
 
 import torch
@@ -53,17 +56,6 @@ from .models import MODEL_NAMES, model_spec
 from .report import markdown_table, run_key, write_report
 from .tasks import TASK_NAMES, USES_M, Task, make_task
 from .training import check_state_consistency, run_probe
-
-
-def parse_range(s: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = str(s).partition("-")
-        lo, hi = int(lo), int(hi or lo)
-    except ValueError:
-        raise SystemExit(f"--train-lengths must look like 2-10, got {s!r}") from None
-    if not 1 <= lo <= hi:
-        raise SystemExit(f"--train-lengths must satisfy 1 <= lo <= hi, got {s!r}")
-    return lo, hi
 
 
 def parse_list(s: str, typ=int, flag: str = "") -> list:
@@ -76,6 +68,70 @@ def parse_list(s: str, typ=int, flag: str = "") -> list:
     return out
 
 
+def _int_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must look like LO-HI, e.g. 2-10, got {text!r}") from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, e.g. 50,100,500, got {text!r}") from None
+
+
+def _flag_type(hint) -> dict:
+    """argparse keywords (``type``, ``metavar``) and ``spell`` (the default as the flag would spell it) for a config
+    field's type: ``X | None`` as X, ``tuple[int, int]`` as ``LO-HI``, ``tuple[int, ...]`` as a comma-separated list."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if hint in (int, float, str):
+        return {"type": hint, "spell": str}
+    args = typing.get_args(hint) if typing.get_origin(hint) is tuple else ()
+    if args == (int, int):
+        return {"type": _int_range, "metavar": "LO-HI", "spell": lambda v: "-".join(map(str, v))}
+    if args == (int, ...):
+        return {"type": _int_list, "metavar": "N,N,...", "spell": lambda v: ",".join(map(str, v))}
+    raise TypeError(f"no command-line flag for a config field of type {hint}")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls, exclude=()) -> None:
+    """One ``--field-name`` flag per field of the dataclass ``config_cls`` (but ``exclude``): type, default, help
+    and further argparse keywords from the field (declared with :func:`bilinear_lm.probes.config.option`)."""
+    hints = typing.get_type_hints(config_cls)
+    group = parser.add_argument_group(f"{config_cls.__name__} settings")
+    for f in dataclasses.fields(config_cls):
+        if f.name in exclude:
+            continue
+        flag = dict(f.metadata)
+        help_ = flag.pop("help")
+        if hints[f.name] is bool:
+            flag["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        else:
+            kind = _flag_type(hints[f.name])
+            spell = kind.pop("spell")
+            flag = {**kind, **flag}
+            if f.default is not None:
+                help_ += f" (default: {spell(f.default)})"
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, help=help_, **flag)
+
+
+def config_from_args(config_cls, args: argparse.Namespace, **values):
+    """``config_cls`` from the flags :func:`add_config_flags` made, ``values`` overriding them (the fields left out
+    of the flags keep their defaults unless set here)."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if f.name in vars(args)}
+    return config_cls(**{**flags, **values})
+
+
+def flag_error(error: ValueError, config_cls) -> SystemExit:
+    """A config's ValueError as a command-line error: ``ProbeConfig.steps`` is shown as the flag ``--steps``."""
+    message = re.sub(rf"\b{config_cls.__name__}\.(\w+)", lambda f: "--" + f.group(1).replace("_", "-"), str(error))
+    return SystemExit(f"error: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=TASK_NAMES, help="task for a single run")
@@ -86,37 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsm-seed", type=int, default=0, help="random_fsm transition-table seed")
     p.add_argument("--permutation-symbols", choices=("elements", "generators"), default="elements")
     p.add_argument("--automaton-file", default=None, help="JSON automaton for --task automaton")
-    p.add_argument("--train-lengths", default="2-10")
-    p.add_argument("--test-lengths", default="500", help="comma-separated, e.g. 50,100,500")
-    p.add_argument("--val-length", type=int, default=250)
-    p.add_argument("--val-size", type=int, default=100)
-    p.add_argument("--test-size", type=int, default=1000)
-    p.add_argument("--steps", type=int, default=10000, help="maximum training steps")
-    p.add_argument("--max-seconds", type=float, default=None, help="optional wall-clock budget per run")
-    p.add_argument("--patience", type=int, default=2000, help="stop after validation accuracy is perfect this many steps")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=None, help="Adam lr (default 3e-3 bilinear, 1e-3 baselines)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
-                   help="cosine: decay to 0 over --steps or --max-seconds, whichever ends first")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0 = off)")
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--state-size", type=int, default=128, help="bilinear state size")
-    p.add_argument("--rank", type=int, default=None, help="bilinear rank (default: state size; number of task symbols for full)")
-    p.add_argument("--block-size", type=int, default=2, help="bilinear block_diagonal block size")
-    p.add_argument("--write-channel", action="store_true",
-                   help="bilinear-cp: add the homogeneous write channel (BilinearConfig.write_channel)")
-    p.add_argument("--gate", action="store_true",
-                   help="bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the paper's linear "
-                        "readout of the normalized state)")
-    p.add_argument("--state-consistency", type=float, default=0.0, metavar="WEIGHT",
-                   help="bilinear: add WEIGHT x a center loss pulling together the recurrent states of prefixes with the "
-                        "same label (for tasks whose label is the automaton state; 0 = off, the paper's protocol)")
-    p.add_argument("--num-heads", type=int, default=4, help="transformer attention heads")
-    p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluation chunk (memory bound)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (machine is shared)")
     p.add_argument("--output", default=None, help="results JSON for a single run")
-    p.add_argument("--verbose", action="store_true")
+    add_config_flags(p, ProbeConfig)
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", action="store_true", help="run the grid tasks x ms x models x seeds")
     g.add_argument("--tasks", default="parity,modular_addition")
@@ -136,27 +164,13 @@ def task_from_args(name: str, m, args) -> Task:
                      symbols=args.permutation_symbols, path=args.automaton_file)
 
 
-def config_from_args(args) -> ProbeConfig:
-    """The flags of a probe run as the library's ProbeConfig."""
-    return ProbeConfig(
-        train_lengths=parse_range(args.train_lengths),
-        test_lengths=tuple(parse_list(args.test_lengths, int, "--test-lengths")),
-        val_length=args.val_length, val_size=args.val_size, test_size=args.test_size, steps=args.steps,
-        max_seconds=args.max_seconds, patience=args.patience, eval_every=args.eval_every, batch_size=args.batch_size,
-        lr=args.lr, lr_schedule=args.lr_schedule, grad_clip=args.grad_clip, state_consistency=args.state_consistency,
-        eval_tokens=args.eval_tokens, hidden_size=args.hidden_size, state_size=args.state_size, rank=args.rank,
-        block_size=args.block_size, gate=args.gate, write_channel=args.write_channel, num_heads=args.num_heads,
-        verbose=args.verbose)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
         return _main(args)
     except ValueError as e:  # library errors name ProbeConfig fields: show them as the flags that set them
-        message = re.sub(r"ProbeConfig\.(\w+)", lambda f: "--" + f.group(1).replace("_", "-"), str(e))
-        raise SystemExit(f"error: {message}") from None
+        raise flag_error(e, ProbeConfig) from None
 
 
 def _main(args) -> int:
@@ -177,7 +191,7 @@ def _main(args) -> int:
             if t not in TASK_NAMES and not t.lower().startswith("permutation_"):
                 raise SystemExit(f"unknown task {t!r} in --tasks; choose from {list(TASK_NAMES)}")
         ms, models, seeds = parse_list(args.ms, int, "--ms"), parse_list(args.models, str, "--models"), parse_list(args.seeds, int, "--seeds")
-        config = config_from_args(args)
+        config = config_from_args(ProbeConfig, args)
         for mdl in models:
             model_spec(mdl, config)
         grid = [task_from_args(t, m, args) for t in tasks for m in (ms if t in USES_M else [None])]
@@ -206,7 +220,7 @@ def _main(args) -> int:
         return 0
     if not args.task:
         raise SystemExit("give --task TASK for a single run, --sweep for a grid, or --report results.json")
-    config = config_from_args(args)
+    config = config_from_args(ProbeConfig, args)
     model_spec(args.model, config)
     task = task_from_args(args.task, args.m, args)
     result = run_probe(task, args.model, args.seed, config)

@@ -15,26 +15,25 @@ from pathlib import Path
 
 import torch
 
-from .cli import parse_list
+from .cli import add_config_flags, config_from_args, flag_error, parse_list
 from .recall import RECALL_MODELS, RecallConfig, run_recall
 from .report import recall_table
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bilinear,bilinear-conv,bilinear-write,llama,lstm",
                    help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
-    p.add_argument("--pairs", default="4,8,16", help="numbers of key-value pairs")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--pairs", default="4,8,16", help="numbers of key-value pairs (the grid's num_pairs)")
     p.add_argument("--seeds", default="0")
-    defaults = RecallConfig()
-    for name in ("vocab_size", "test_size", "steps", "batch_size", "hidden_size", "num_layers",
-                 "num_heads", "state_size"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 for bilinear models, 1e-3 for the baselines")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output-dir", default="runs/recall")
-    args = p.parse_args(argv)
+    add_config_flags(p, RecallConfig, exclude=("num_pairs", "extra"))
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(models) - set(RECALL_MODELS))
     if unknown:
@@ -48,15 +47,12 @@ def main(argv=None) -> int:
     done = {(r["model"], r["seq_len"], r["num_pairs"], r["seed"]) for r in runs}
     for pairs in parse_list(args.pairs, int, "--pairs"):
         try:
-            config = RecallConfig(seq_len=args.seq_len, num_pairs=pairs, vocab_size=args.vocab_size,
-                                  test_size=args.test_size, steps=args.steps,
-                                  batch_size=args.batch_size, lr=args.lr, hidden_size=args.hidden_size,
-                                  num_layers=args.num_layers, num_heads=args.num_heads, state_size=args.state_size)
+            config = config_from_args(RecallConfig, args, num_pairs=pairs)
         except ValueError as err:
-            raise SystemExit(f"error: {err}") from None
+            raise flag_error(err, RecallConfig) from None
         for seed in parse_list(args.seeds, int, "--seeds"):
             for model in models:
-                if (model, args.seq_len, pairs, seed) in done:
+                if (model, config.seq_len, pairs, seed) in done:
                     continue
                 try:
                     runs.append(run_recall(model, config, seed))
