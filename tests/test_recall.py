@@ -59,6 +59,9 @@ def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
     assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
     assert "| bilinear-conv-write |" in (tmp_path / "table.md").read_text()
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
+    assert main([*args, "--steps", "3", "--models", "lstm"]) == 0  # other settings: a new run
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again[:2] == runs and [(r["model"], r["steps"]) for r in again[2:]] == [("lstm", 3)]
 
 
 def test_recall_cli_flags_are_the_config_fields():

@@ -324,10 +324,36 @@ def test_state_consistency_loss_names_a_capture_mismatch():
         state_consistency_loss([torch.randn(2, 4, 1, 8)], torch.zeros(2, 3, dtype=torch.long), 4)
 
 
+def test_sweep_into_a_results_file_reruns_only_the_same_settings(tmp_path, capsys):
+    """A sweep skips a run already in its results file only when every setting matches: a plain run is not taken for
+    a write-channel, gated, other-rank or other-size run (nor the other way round)."""
+    base = ["--sweep", "--tasks", "parity", "--models", "bilinear-cp", "--steps", "2", "--test-lengths", "12",
+            "--val-length", "12", "--output-dir", str(tmp_path), *TINY]
+    variants = [[], ["--write-channel"], ["--gate"], ["--rank", "4"], ["--state-size", "4"], ["--hidden-size", "4"]]
+    for extra in variants:
+        st.main([*base, *extra])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert len(runs) == len(variants)
+    configs = [r["model_config"] for r in runs]
+    assert [c.get("write_channel", False) for c in configs] == [False, True, False, False, False, False]
+    assert [c["use_gate"] for c in configs] == [False, False, True, False, False, False]
+    assert [(c["rank"], c["state_size"], c["hidden_size"]) for c in configs] == [
+        (8, 8, 8), (8, 8, 8), (8, 8, 8), (4, 8, 8), (4, 4, 8), (8, 8, 4)]
+    capsys.readouterr()
+    for extra in variants:  # each again: all done
+        st.main([*base, *extra])
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == len(variants)
+    assert "final acc @" not in capsys.readouterr().out  # no run logged: none trained
+
+
 def test_runs_with_and_without_state_consistency_are_separate_rows():
-    base = {"task": "parity", "task_params": {}, "model": "bilinear-cp", "seed": 0}
-    a, b = dict(base), dict(base, state_consistency=5.0)
+    config = dataclasses.asdict(ProbeConfig())
+    base = {"task": "parity", "task_params": {}, "model": "bilinear-cp", "seed": 0, "config": config}
+    a, b = dict(base), dict(base, state_consistency=5.0, config={**config, "state_consistency": 5.0})
     assert report.run_key(a) != report.run_key(b)
     assert report.model_label(a) == "bilinear-cp" and report.model_label(b) == "bilinear-cp +consistency 5"
-    c = dict(base, model_config={"write_channel": True})
+    c = dict(base, model_config={"write_channel": True}, config={**config, "write_channel": True})
     assert report.run_key(c) != report.run_key(a) and report.model_label(c) == "bilinear-cp +write"
+    for field in dataclasses.fields(ProbeConfig):  # every setting but verbose (the log only) is in the key
+        changed = report.run_key(dict(base, config={**config, field.name: "other"})) != report.run_key(a)
+        assert changed == (field.name != "verbose"), field.name

@@ -209,7 +209,7 @@ def _main(args) -> int:
             for mdl in models:
                 for seed in seeds:
                     key = run_key({"task": task.name, "task_params": task.params, "model": mdl, "seed": seed,
-                                   "state_consistency": config.state_consistency})
+                                   "config": dataclasses.asdict(config)})
                     if key in done:
                         continue
                     runs.append(run_probe(task, mdl, seed, config))

@@ -139,7 +139,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
         schedule.step()
     seconds = time.time() - t0
     result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"}, "lr": lr,
-              "extra": dict(c.extra), "num_params": sum(p.numel() for p in model.parameters()),
+              "extra": dict(c.extra), "config": asdict(c), "num_params": sum(p.numel() for p in model.parameters()),
               "train_loss": round(loss.item(), 4), "seconds": round(seconds, 1),
               "test_acc": query_accuracy(model, test_x, test_y)}
     log(f"mqar pairs={c.num_pairs} len={c.seq_len} {model_name} seed {seed}: test acc {result['test_acc']:.3f} "

@@ -10,6 +10,7 @@ resumes from its results file, and writes a markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,12 @@ import torch
 from .cli import add_config_flags, config_from_args, flag_error, parse_list
 from .recall import RECALL_MODELS, RecallConfig, run_recall
 from .report import recall_table
+
+
+def run_key(model: str, seed: int, config: dict | None) -> str:
+    """What identifies a run in the results file (a sweep skips the runs already there): model, seed and the whole
+    ``RecallConfig`` (``asdict``). Runs recorded without a config (older results files) match no new run."""
+    return json.dumps([model, seed, config], sort_keys=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +51,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     runs = json.loads(results_path.read_text()) if results_path.exists() else []
-    done = {(r["model"], r["seq_len"], r["num_pairs"], r["seed"]) for r in runs}
+    done = {run_key(r["model"], r["seed"], r.get("config")) for r in runs}
     for pairs in parse_list(args.pairs, int, "--pairs"):
         try:
             config = config_from_args(RecallConfig, args, num_pairs=pairs)
@@ -52,7 +59,7 @@ def main(argv=None) -> int:
             raise flag_error(err, RecallConfig) from None
         for seed in parse_list(args.seeds, int, "--seeds"):
             for model in models:
-                if (model, config.seq_len, pairs, seed) in done:
+                if run_key(model, seed, dataclasses.asdict(config)) in done:
                     continue
                 try:
                     runs.append(run_recall(model, config, seed))

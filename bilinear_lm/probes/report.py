@@ -10,9 +10,12 @@ from .training import task_label
 
 
 def run_key(r: dict) -> tuple:
-    """What identifies a run in a results file (a sweep skips the runs already there)."""
+    """What identifies a run in a results file (a sweep skips the runs already there): task, model, seed and its
+    whole ``config`` (``asdict(ProbeConfig)``) but ``verbose``, which changes only the log. Runs recorded without
+    a config (older results files) match no new run."""
+    config = {k: v for k, v in (r.get("config") or {}).items() if k != "verbose"}
     return (r["task"], json.dumps(r["task_params"], sort_keys=True), r["model"], r["seed"],
-            r.get("state_consistency", 0.0), r.get("model_config", {}).get("write_channel", False))
+            json.dumps(config, sort_keys=True))
 
 
 def model_label(r: dict) -> str:
