@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel
-from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits,
-                                evaluate, make_task, run_probe, state_consistency_loss)
+from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES
+from bilinear_lm.probes import (MODEL_NAMES, ProbeConfig, build_probe_model, class_logits, evaluate, make_task,
+                                run_probe, state_consistency_loss)
 from bilinear_lm.probes import cli as st
 from bilinear_lm.probes import report
 
@@ -62,7 +63,7 @@ def test_evaluate_names_bad_input():
         evaluate(model, x, torch.full_like(y, 3).index_fill_(1, torch.tensor([0]), 0), 2)
 
 
-@pytest.mark.parametrize("mixer", BILINEAR_MIXERS)
+@pytest.mark.parametrize("mixer", MIXER_TYPES)
 def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
     task = make_task("modular_arithmetic", 3)
     model, cfg = build_probe_model(f"bilinear-{mixer}", task, TINY_CONFIG)
@@ -76,6 +77,14 @@ def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
     assert model.config.use_gate is False  # the paper's linear readout
     gated = build_probe_model(f"bilinear-{mixer}", task, dataclasses.replace(TINY_CONFIG, gate=True))[0]
     assert gated.config.use_gate is True
+
+
+def test_the_probe_mixers_are_the_model_config_mixers():
+    """One list of mixers: the probe zoo takes the model config's, so a new mixer type is a new probe model."""
+    from bilinear_lm.probes import models
+
+    assert models.MIXER_TYPES is MIXER_TYPES
+    assert [n for n in MODEL_NAMES if n.startswith("bilinear-")] == [f"bilinear-{m}" for m in MIXER_TYPES]
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
