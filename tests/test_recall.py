@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model, run_recall
+from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model
 
 
 def test_mqar_labels_are_the_values_of_the_queried_keys():

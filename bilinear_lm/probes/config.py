@@ -58,8 +58,8 @@ class ProbeConfig:
     verbose: bool = option(False, "log every validation")
 
     def __post_init__(self):
-        def bad(field: str, requirement: str) -> ValueError:
-            return ValueError(f"ProbeConfig.{field} must be {requirement}, got {getattr(self, field)!r}")
+        def bad(name: str, requirement: str) -> ValueError:
+            return ValueError(f"ProbeConfig.{name} must be {requirement}, got {getattr(self, name)!r}")
 
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -72,16 +72,16 @@ class ProbeConfig:
         if not tests or not all(is_int(x) and x >= 1 for x in tests):
             raise bad("test_lengths", "a non-empty sequence of integers >= 1, e.g. (500,)")
         object.__setattr__(self, "test_lengths", tests)
-        for field in ("val_length", "val_size", "test_size", "steps", "patience", "eval_every", "batch_size",
+        for name in ("val_length", "val_size", "test_size", "steps", "patience", "eval_every", "batch_size",
                       "eval_tokens", "hidden_size", "state_size", "block_size", "num_heads"):
-            if not is_int(getattr(self, field)) or getattr(self, field) < 1:
-                raise bad(field, "an integer >= 1")
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
         if self.rank is not None and (not is_int(self.rank) or self.rank < 1):
             raise bad("rank", "None (the default rank) or an integer >= 1")
-        for field in ("lr", "max_seconds"):
-            value = getattr(self, field)
+        for name in ("lr", "max_seconds"):
+            value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise bad(field, "None or a finite number > 0")
+                raise bad(name, "None or a finite number > 0")
         if self.lr_schedule not in LR_SCHEDULES:
             raise bad("lr_schedule", " or ".join(map(repr, LR_SCHEDULES)))
         if not (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip) and self.grad_clip >= 0):
