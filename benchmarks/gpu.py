@@ -2,9 +2,9 @@
 """GPU speed of the bilinear LM: the Triton scan against the PyTorch scan, and training / decoding against Llama.
 
     python benchmarks/gpu.py                              # all parts, the 125m preset's shape, on cuda:0
-    python benchmarks/gpu.py --parts scan --output benchmarks/RESULTS.md
+    python benchmarks/gpu.py --parts scan --output gpu_scan.md
 
-Parts (each prints a markdown table naming the device; ``--output`` appends them to a file):
+Parts (each prints a markdown table naming the device; ``--output FILE`` also writes them to FILE):
 - ``scan``: the CP recurrence alone (forward + backward, one layer of the preset's shape), microseconds per time
   step, ``recurrence_impl`` triton vs torch.
 - ``train``: training tokens/s (forward + backward + AdamW, bf16 autocast) at each ``--seq-lens`` for bilinear
@@ -29,7 +29,6 @@ import yaml
 
 from bilinear_lm.baselines import build_model
 from bilinear_lm.modeling.dispatch import cp_recurrence
-from bilinear_lm.utils import append_results
 
 PRESET = Path(__file__).resolve().parents[1] / "bilinear_lm" / "configs" / "125m.yaml"
 VOCAB = 50257
@@ -148,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-step", type=int, default=32768, help="train part: batch = this / T")
     parser.add_argument("--contexts", default="1024,32768")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--output", type=Path, help="append the tables to this markdown file")
+    parser.add_argument("--output", type=Path, help="also write the tables to this markdown file (replaced)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - set(PARTS))
@@ -166,7 +165,8 @@ def main(argv=None) -> int:
     text = "\n\n".join(tables)
     print("\n" + text)
     if args.output:
-        append_results(args.output, "benchmarks/gpu.py", text)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
     return 0
 
 

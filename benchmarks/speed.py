@@ -4,7 +4,7 @@
     python benchmarks/speed.py                       # everything (about 30-40 min on 2 CPU cores)
     python benchmarks/speed.py --parts train --sizes 3M --seq-lens 256,1024
 
-Parts (each prints a markdown table; ``--output`` appends them to a file):
+Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE):
 - ``peak``: measured fp32 and bf16 matmul peak of this CPU (the MFU denominator).
 - ``train``: training tokens/s (forward + backward + AdamW step) at each sequence length, fp32 and bf16
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,6 @@ import torch
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
 from bilinear_lm.modeling.dispatch import cp_recurrence
-from bilinear_lm.utils import append_results
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
 SIZES = {
@@ -258,7 +256,7 @@ def main(argv=None):
     parser.add_argument("--contexts", type=csv(int), default=[128, 1024, 8192, 32768])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
-    parser.add_argument("--output", type=Path, help="append the tables to this markdown file")
+    parser.add_argument("--output", type=Path, help="also write the tables to this markdown file (replaced)")
     args = parser.parse_args(argv)
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
                                   ("--models", args.models, TRAIN_MODELS), ("--precisions", args.precisions, PRECISIONS)):
@@ -283,7 +281,8 @@ def main(argv=None):
     text = "\n\n".join(tables)
     print("\n" + text)
     if args.output:
-        append_results(args.output, "benchmarks/speed.py", text)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
 
 
 if __name__ == "__main__":

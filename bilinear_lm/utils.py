@@ -1,14 +1,6 @@
-"""Small helpers shared by the evaluation and benchmark code."""
+"""Small helpers shared by the library's modules."""
 
-import sys
 from contextlib import contextmanager
-from pathlib import Path
-
-
-def append_results(path: Path, script: str, text: str) -> None:
-    """Append ``text`` (markdown tables) to ``path`` under the command line that produced it."""
-    with open(path, "a") as f:
-        f.write(f"\nCommand: `python {script} {' '.join(sys.argv[1:])}`\n\n{text}\n")
 
 
 @contextmanager

@@ -1,6 +1,5 @@
-"""Shared test fixtures: the offline data directory and a tiny model config."""
+"""Shared test fixtures: the offline data directory and a tiny model config (tiny checkpoints: fixtures.py)."""
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ if not torch.cuda.is_available():  # run the Triton kernels on CPU tensors (set 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
-sys.path.insert(0, str(REPO_ROOT))  # eval/ and benchmarks/ scripts are importable in tests
 
 torch.set_num_threads(2)
 

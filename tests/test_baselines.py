@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCau
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel, build_model, matched_baseline_config, matched_lstm
-from eval.tiny_checkpoint import build_tiny_model
+from fixtures import build_tiny_model
 
 BILINEAR = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "state_size": 8, "rank": 8}
 EXPLICIT = {

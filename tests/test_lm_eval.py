@@ -1,5 +1,6 @@
 """lm-eval-harness integration: local offline tasks (wikitext2_local, lambada_openai_local), the
-in-memory entry point bilinear_lm.lm_harness.run_lm_eval, agreement with eval/perplexity.py and an
+in-memory entry point bilinear_lm.evaluation.harness.run_lm_eval, agreement with
+bilinear_lm.evaluation.perplexity and an
 independent LAMBADA computation, and one run of the stock `lm_eval` CLI on a saved checkpoint."""
 import json
 import math
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bilinear_lm.lm_eval_tasks import bilinear_local_utils as local
-from bilinear_lm.lm_harness import TASKS_DIR
-from eval import perplexity as ppl
-from eval.tiny_checkpoint import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
+from bilinear_lm.evaluation import perplexity as ppl
+from bilinear_lm.evaluation.harness import TASKS_DIR, run_lm_eval
+from bilinear_lm.evaluation.lm_eval_tasks import bilinear_local_utils as local
+from fixtures import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_TYPES = ["llama", "bilinear"]
@@ -86,6 +87,11 @@ def get_model(model_type, vocab_size):
     return _MODELS[model_type]
 
 
+def all_finite(metrics: dict) -> bool:
+    """Every metric of every task of run_lm_eval's summary is finite."""
+    return all(math.isfinite(v) for task in metrics.values() for v in task.values())
+
+
 # ----------------------------------------------------------------------------- loaders
 def test_local_loaders_on_real_data(data_dir, monkeypatch):
     monkeypatch.delenv(local.DATA_ENV, raising=False)  # default: ../shared/data from the current directory
@@ -112,8 +118,6 @@ def test_loader_errors_name_the_env_var(tmp_path, monkeypatch):
 
 
 def test_run_lm_eval_bad_include_path(tokenizer):
-    from bilinear_lm.lm_harness import run_lm_eval
-
     with pytest.raises(ValueError, match="include_path"):
         run_lm_eval(get_model("llama", len(tokenizer)), tokenizer, ["wikitext2_local"], include_path="/no/such/dir")
 
@@ -141,11 +145,9 @@ def lambada_reference(model, tokenizer, texts):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_lm_eval_agrees_with_perplexity_module(model_type, tokenizer, small_data_dir, monkeypatch):
     """lm-eval's rolling loglikelihood (right-padded batches of windows from documents of different
-    lengths) equals eval/perplexity.py on the same tokens: llama with 48-token windows ==
+    lengths) equals bilinear_lm.evaluation.perplexity on the same tokens: llama with 48-token windows ==
     rolling_perplexity(max_length=48); bilinear with one window per document == streaming with the
     recurrent state carried across 37-token segments."""
-    from bilinear_lm.lm_harness import all_finite, run_lm_eval
-
     monkeypatch.setenv(local.DATA_ENV, str(small_data_dir))
     model = get_model(model_type, len(tokenizer))
     window = 48 if model_type == "llama" else 100_000
@@ -167,7 +169,7 @@ def test_lm_eval_agrees_with_perplexity_module(model_type, tokenizer, small_data
         words, n_bytes = words + stats["words"], n_bytes + stats["bytes"]
     w = wiki["wikitext2_local"]
     lm_eval_nll = math.log(w["word_perplexity"]) * words
-    print(f"{model_type}: nll perplexity.py {nll:.6f} lm-eval {lm_eval_nll:.6f}")
+    print(f"{model_type}: nll perplexity {nll:.6f} lm-eval {lm_eval_nll:.6f}")
     assert lm_eval_nll == pytest.approx(nll, abs=2e-3)  # float32 rounding only (a token is ~6 nats)
     assert w["word_perplexity"] == pytest.approx(math.exp(nll / words), rel=1e-5)
     assert w["byte_perplexity"] == pytest.approx(math.exp(nll / n_bytes), rel=1e-5)

@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
-from bilinear_lm.lm_eval_tasks.state_tracking.state_tracking_utils import load_probe, render_probe
-from bilinear_lm.lm_harness import run_lm_eval
-from eval.tiny_checkpoint import build_tiny_model, cached_tokenizer
+from bilinear_lm.evaluation.harness import run_lm_eval
+from bilinear_lm.evaluation.lm_eval_tasks.state_tracking.state_tracking_utils import load_probe, render_probe
+from fixtures import build_tiny_model, cached_tokenizer
 
 
 def answer_from_text(task, m, sequence):

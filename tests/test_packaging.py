@@ -1,80 +1,120 @@
-"""What a (non-editable) install ships, read from pyproject.toml: every package, the lm-eval task YAMLs as
-package data of bilinear_lm, console scripts that resolve to a ``main``; and no sys.path inserts in scripts."""
+"""What an install ships, checked on a wheel built from this checkout: bilinear_lm with every subpackage (found by
+setuptools, no package-dir remapping), the presets and the lm-eval task YAMLs as package data, console scripts for
+library modules only; and the eval/ scripts as thin command lines over the library."""
 import importlib
+import os
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import bilinear_lm
-from bilinear_lm.lm_harness import TASKS_DIR
+from bilinear_lm.evaluation.harness import TASKS_DIR
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = Path(__file__).resolve().parents[1]
-SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+CONSOLE_SCRIPTS = {"bilinear-perplexity", "bilinear-probes", "bilinear-recall"}
 
 
-def package_folder(name: str) -> Path:
-    """The source folder of an installed package name, following [tool.setuptools.package-dir]."""
-    mapped = SETUPTOOLS.get("package-dir", {})
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        if ".".join(parts[:i]) in mapped:
-            return REPO / mapped[".".join(parts[:i])] / Path(*parts[i:])
-    return REPO / Path(*parts)
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """A wheel built (offline, with this environment's setuptools) from a copy of the checkout's sources."""
+    pytest.importorskip("setuptools")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for folder in ("bilinear_lm", "eval", "benchmarks"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    build = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; "
+                            f"print(build_meta.build_wheel({str(tmp / 'dist')!r}))"],
+                           cwd=src, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    return zipfile.ZipFile(tmp / "dist" / build.stdout.split()[-1])
 
 
-def shipped_data() -> set[Path]:
-    """The files [tool.setuptools.package-data] puts in the wheel."""
-    return {path for name in SETUPTOOLS["packages"] for pattern in SETUPTOOLS["package-data"].get(name, [])
-            for path in package_folder(name).glob(pattern)}
+def test_packages_are_found_not_listed_or_remapped():
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert "package-dir" not in setuptools
+    assert setuptools["packages"] == {"find": {"include": ["bilinear_lm*"], "namespaces": False}}
 
 
-def test_every_package_folder_is_listed():
-    listed = {package_folder(name) for name in SETUPTOOLS["packages"]}
-    assert all(folder.is_dir() and (folder / "__init__.py").is_file() for folder in listed)
-    roots = [package_folder(name) for name in SETUPTOOLS["packages"] if "." not in name or
-             name in SETUPTOOLS.get("package-dir", {})]
-    found = {init.parent for root in roots for init in root.rglob("__init__.py") if "__pycache__" not in init.parts}
-    assert found - listed == set(), "add these folders to [tool.setuptools] packages in pyproject.toml"
+def test_wheel_holds_every_package_and_nothing_else(wheel):
+    names = wheel.namelist()
+    assert {n.split("/")[0] for n in names} == {"bilinear_lm", "bilinear_lm-0.1.0.dist-info"}
+    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "bilinear_lm").rglob("__init__.py")
+                if "__pycache__" not in p.parts}
+    assert {"bilinear_lm/evaluation", "bilinear_lm/evaluation/lm_eval_tasks", "bilinear_lm/probes"} <= packages
+    assert {f"{p}/__init__.py" for p in packages} <= set(names)
 
 
-def test_lm_eval_tasks_are_package_data():
-    """The default include path is inside the bilinear_lm package (not a repo folder), and every task YAML there
-    is matched by a package-data pattern, with its ``!function`` module beside it in the same package."""
+def test_wheel_ships_the_presets_and_the_lm_eval_tasks(wheel):
+    """Every non-Python file of the bilinear_lm folder is in the wheel: the presets and the task YAMLs, whose
+    ``!function`` modules ship beside them."""
+    names = set(wheel.namelist())
+    data = {p.relative_to(REPO).as_posix() for p in (REPO / "bilinear_lm").rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc")}
+    assert data - names == set()
+    yamls = [n for n in names if n.endswith(".yaml")]
+    assert {"tiny", "shakespeare-char", "tinystories", "125m"} <= {Path(n).stem for n in yamls}
+    tasks = {}
+    for n in yamls:
+        task = re.search(r"^task: (\S+)", wheel.read(n).decode(), re.M)
+        if task:
+            tasks[task.group(1)] = n
+    assert {"wikitext2_local", "lambada_openai_local", "probe_parity"} <= set(tasks)
+    for n in tasks.values():
+        for module, _ in re.findall(r"!function (\w+)\.(\w+)", wheel.read(n).decode()):
+            assert f"{Path(n).parent.as_posix()}/{module}.py" in names
+
+
+def test_the_default_include_path_is_the_packaged_tasks():
+    """run_lm_eval's default include path (and the README's ``--include_path``) is inside the package, and its
+    ``!function`` utils import as modules of it."""
     package_dir = Path(bilinear_lm.__file__).resolve().parent
-    assert TASKS_DIR.is_relative_to(package_dir)
-    yamls = sorted(TASKS_DIR.rglob("*.yaml"))
-    names = {re.search(r"^task: (\S+)", y.read_text(), re.M).group(1) for y in yamls}
-    assert {"wikitext2_local", "lambada_openai_local", "probe_parity"} <= names
-    assert set(yamls) <= shipped_data()
-    for y in yamls:
+    assert TASKS_DIR == package_dir / "evaluation" / "lm_eval_tasks"
+    for y in TASKS_DIR.rglob("*.yaml"):
         for module, function in re.findall(r"!function (\w+)\.(\w+)", y.read_text()):
-            assert (y.parent / "__init__.py").is_file()  # a listed package (checked above), so the .py ships
             package = ".".join(y.parent.relative_to(package_dir.parent).parts)
             assert callable(getattr(importlib.import_module(f"{package}.{module}"), function))
 
 
-def test_every_data_file_of_bilinear_lm_ships():
-    """Non-Python files in the bilinear_lm folder (presets, task YAMLs, kernel sources) are package data."""
-    data = {p for p in (REPO / "bilinear_lm").rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")}
-    assert data - shipped_data() == set(), "add these to [tool.setuptools.package-data] in pyproject.toml"
-
-
-def test_console_scripts_resolve_to_main():
-    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert {"bilinear-perplexity", "bilinear-probes", "bilinear-recall", "bilinear-speed",
-            "bilinear-equal-time"} <= set(scripts)
+def test_console_scripts_are_the_library_mains(wheel):
+    entry_points = wheel.read("bilinear_lm-0.1.0.dist-info/entry_points.txt").decode()
+    scripts = dict(re.findall(r"^(\S+) = (\S+)$", entry_points, re.M))
+    assert set(scripts) == CONSOLE_SCRIPTS
     for target in scripts.values():
         module, _, function = target.partition(":")
-        package, _, leaf = module.rpartition(".")
-        assert package in SETUPTOOLS["packages"]
-        source = package_folder(package) / f"{leaf}.py"
-        assert re.search(rf"^def {function}\(argv=None\)", source.read_text(), re.M), source
+        assert module.startswith("bilinear_lm.") and module.replace(".", "/") + ".py" in wheel.namelist()
+        assert callable(getattr(importlib.import_module(module), function))
 
 
 @pytest.mark.parametrize("folder", ["eval", "benchmarks"])
-def test_scripts_do_not_touch_sys_path(folder):
+def test_scripts_are_not_packages_and_do_not_touch_sys_path(folder):
+    assert not (REPO / folder / "__init__.py").exists()
     offenders = [p.name for p in (REPO / folder).glob("*.py") if "sys.path" in p.read_text()]
     assert offenders == []
+
+
+def test_eval_scripts_run_the_library_command_lines(monkeypatch):
+    """``python eval/X.py`` (run with this checkout's package) is the library's CLI: the same --help as the console
+    script's module."""
+    monkeypatch.setenv("COLUMNS", "120")  # argparse wraps to the terminal: the same width in both processes
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    scripts = {"perplexity": "bilinear_lm.evaluation.perplexity", "state_tracking": "bilinear_lm.probes.cli",
+               "recall": "bilinear_lm.probes.recall_cli"}
+    assert {p.stem for p in (REPO / "eval").glob("*.py")} == set(scripts)
+    runs = {name: subprocess.Popen([sys.executable, str(REPO / "eval" / f"{name}.py"), "--help"], cwd=REPO, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in scripts}
+    for name, module in scripts.items():
+        out, err = runs[name].communicate(timeout=120)
+        assert runs[name].returncode == 0, err[-2000:]
+        parser = importlib.import_module(module).build_parser()
+        parser.prog = f"{name}.py"
+        assert out == parser.format_help()

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model, run_recall
+from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model
 
 
 def test_mqar_labels_are_the_values_of_the_queried_keys():
@@ -49,7 +49,7 @@ def test_query_accuracy_counts_only_queries():
 
 
 def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
-    from eval.recall import main
+    from bilinear_lm.probes.recall_cli import main
 
     args = ["--models", "bilinear-conv-write,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
             "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
@@ -59,3 +59,23 @@ def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
     assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
     assert "| bilinear-conv-write |" in (tmp_path / "table.md").read_text()
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
+    assert main([*args, "--steps", "3", "--models", "lstm"]) == 0  # other settings: a new run
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again[:2] == runs and [(r["model"], r["steps"]) for r in again[2:]] == [("lstm", 3)]
+
+
+def test_recall_cli_flags_are_the_config_fields():
+    """Every RecallConfig field but the grid's num_pairs (``--pairs``) is a flag with the field's default."""
+    import dataclasses
+
+    from bilinear_lm.probes.cli import config_from_args
+    from bilinear_lm.probes.recall_cli import build_parser
+
+    args = build_parser().parse_args([])
+    assert config_from_args(RecallConfig, args, num_pairs=8) == RecallConfig()
+    args = build_parser().parse_args(["--seq-len", "32", "--lr", "0.01", "--state-size", "8"])
+    assert config_from_args(RecallConfig, args, num_pairs=2) == RecallConfig(seq_len=32, lr=0.01, state_size=8,
+                                                                           num_pairs=2)
+    flags = {a.dest for a in build_parser()._actions}
+    assert {f.name for f in dataclasses.fields(RecallConfig)} - flags == {"num_pairs", "extra"}
+

@@ -1,5 +1,5 @@
 """The state-tracking probes: the library (bilinear_lm.probes: models, training, length generalization) and
-the CLI around it (eval/state_tracking.py: single runs, sweeps, tables, plots), at tiny budgets."""
+the CLI around it (bilinear_lm.probes.cli: single runs, sweeps; report: tables, plots), at tiny budgets."""
 import dataclasses
 import json
 import time
@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel
-from bilinear_lm.probes import (BILINEAR_MIXERS, MODEL_NAMES, ProbeConfig, build_probe_model, class_logits,
-                                evaluate, make_task, run_probe, state_consistency_loss)
-from eval import state_tracking as st
+from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES
+from bilinear_lm.probes import (MODEL_NAMES, ProbeConfig, build_probe_model, class_logits, evaluate, make_task,
+                                run_probe, state_consistency_loss)
+from bilinear_lm.probes import cli as st
+from bilinear_lm.probes import report
 
 TINY = ["--threads", "1", "--val-size", "50", "--test-size", "40", "--hidden-size", "8", "--state-size", "8",
         "--eval-every", "5"]
@@ -61,7 +63,7 @@ def test_evaluate_names_bad_input():
         evaluate(model, x, torch.full_like(y, 3).index_fill_(1, torch.tensor([0]), 0), 2)
 
 
-@pytest.mark.parametrize("mixer", BILINEAR_MIXERS)
+@pytest.mark.parametrize("mixer", MIXER_TYPES)
 def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
     task = make_task("modular_arithmetic", 3)
     model, cfg = build_probe_model(f"bilinear-{mixer}", task, TINY_CONFIG)
@@ -75,6 +77,14 @@ def test_every_bilinear_mixer_builds_as_the_minimal_model(mixer):
     assert model.config.use_gate is False  # the paper's linear readout
     gated = build_probe_model(f"bilinear-{mixer}", task, dataclasses.replace(TINY_CONFIG, gate=True))[0]
     assert gated.config.use_gate is True
+
+
+def test_the_probe_mixers_are_the_model_config_mixers():
+    """One list of mixers: the probe zoo takes the model config's, so a new mixer type is a new probe model."""
+    from bilinear_lm.probes import models
+
+    assert models.MIXER_TYPES is MIXER_TYPES
+    assert [n for n in MODEL_NAMES if n.startswith("bilinear-")] == [f"bilinear-{m}" for m in MIXER_TYPES]
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -135,10 +145,46 @@ def test_run_probe_refuses_bad_input_before_training():
 def test_cli_maps_its_flags_onto_the_probe_config():
     args = st.build_parser().parse_args([*TINY, "--train-lengths", "3-7", "--test-lengths", "40,80", "--gate",
                                          "--rank", "5", "--state-consistency", "2", "--max-seconds", "9"])
-    assert st.config_from_args(args) == dataclasses.replace(
+    assert st.config_from_args(ProbeConfig, args) == dataclasses.replace(
         TINY_CONFIG, train_lengths=(3, 7), test_lengths=(40, 80), gate=True, rank=5, state_consistency=2.0,
         max_seconds=9.0)
-    assert st.config_from_args(st.build_parser().parse_args([])) == ProbeConfig()  # same defaults
+    assert st.config_from_args(ProbeConfig, st.build_parser().parse_args([])) == ProbeConfig()  # same defaults
+
+
+def test_every_probe_config_field_is_a_flag_with_its_default_and_help():
+    """The flags are made from ProbeConfig's fields: each field's flag, default and help text come from the field."""
+    actions = {a.dest: a for a in st.build_parser()._actions}
+    for f in dataclasses.fields(ProbeConfig):
+        action = actions[f.name]
+        assert action.option_strings == ["--" + f.name.replace("_", "-")]
+        assert action.default == f.default and action.help.startswith(f.metadata["help"])
+
+
+def test_config_flags_follow_the_field_types():
+    """A config class of every supported field type: flags parse into the field's type, defaults round-trip."""
+    import argparse
+
+    from bilinear_lm.probes.config import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        count: int = option(3, "an int")
+        scale: float | None = option(None, "an optional float")
+        mode: str = option("a", "a choice", choices=("a", "b"))
+        span: tuple[int, int] = option((2, 10), "a range")
+        lengths: tuple[int, ...] = option((5,), "a list")
+        on: bool = option(False, "a switch")
+        off: bool = option(True, "a switch that defaults on")
+
+    parser = argparse.ArgumentParser()
+    st.add_config_flags(parser, Settings)
+    assert st.config_from_args(Settings, parser.parse_args([])) == Settings()
+    args = parser.parse_args(["--count", "4", "--scale", "0.5", "--mode", "b", "--span", "3-7", "--lengths", "8,9",
+                              "--on", "--no-off"])
+    assert st.config_from_args(Settings, args) == Settings(4, 0.5, "b", (3, 7), (8, 9), True, False)
+    assert "(default: 2-10)" in parser.format_help() and "(default: 5)" in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--span", "two"])
 
 
 def test_cli_single_run_writes_results_json(tmp_path):
@@ -287,10 +333,36 @@ def test_state_consistency_loss_names_a_capture_mismatch():
         state_consistency_loss([torch.randn(2, 4, 1, 8)], torch.zeros(2, 3, dtype=torch.long), 4)
 
 
+def test_sweep_into_a_results_file_reruns_only_the_same_settings(tmp_path, capsys):
+    """A sweep skips a run already in its results file only when every setting matches: a plain run is not taken for
+    a write-channel, gated, other-rank or other-size run (nor the other way round)."""
+    base = ["--sweep", "--tasks", "parity", "--models", "bilinear-cp", "--steps", "2", "--test-lengths", "12",
+            "--val-length", "12", "--output-dir", str(tmp_path), *TINY]
+    variants = [[], ["--write-channel"], ["--gate"], ["--rank", "4"], ["--state-size", "4"], ["--hidden-size", "4"]]
+    for extra in variants:
+        st.main([*base, *extra])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert len(runs) == len(variants)
+    configs = [r["model_config"] for r in runs]
+    assert [c.get("write_channel", False) for c in configs] == [False, True, False, False, False, False]
+    assert [c["use_gate"] for c in configs] == [False, False, True, False, False, False]
+    assert [(c["rank"], c["state_size"], c["hidden_size"]) for c in configs] == [
+        (8, 8, 8), (8, 8, 8), (8, 8, 8), (4, 8, 8), (4, 4, 8), (8, 8, 4)]
+    capsys.readouterr()
+    for extra in variants:  # each again: all done
+        st.main([*base, *extra])
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == len(variants)
+    assert "final acc @" not in capsys.readouterr().out  # no run logged: none trained
+
+
 def test_runs_with_and_without_state_consistency_are_separate_rows():
-    base = {"task": "parity", "task_params": {}, "model": "bilinear-cp", "seed": 0}
-    a, b = dict(base), dict(base, state_consistency=5.0)
-    assert st.run_key(a) != st.run_key(b)
-    assert st.model_label(a) == "bilinear-cp" and st.model_label(b) == "bilinear-cp +consistency 5"
-    c = dict(base, model_config={"write_channel": True})
-    assert st.run_key(c) != st.run_key(a) and st.model_label(c) == "bilinear-cp +write"
+    config = dataclasses.asdict(ProbeConfig())
+    base = {"task": "parity", "task_params": {}, "model": "bilinear-cp", "seed": 0, "config": config}
+    a, b = dict(base), dict(base, state_consistency=5.0, config={**config, "state_consistency": 5.0})
+    assert report.run_key(a) != report.run_key(b)
+    assert report.model_label(a) == "bilinear-cp" and report.model_label(b) == "bilinear-cp +consistency 5"
+    c = dict(base, model_config={"write_channel": True}, config={**config, "write_channel": True})
+    assert report.run_key(c) != report.run_key(a) and report.model_label(c) == "bilinear-cp +write"
+    for field in dataclasses.fields(ProbeConfig):  # every setting but verbose (the log only) is in the key
+        changed = report.run_key(dict(base, config={**config, field.name: "other"})) != report.run_key(a)
+        assert changed == (field.name != "verbose"), field.name

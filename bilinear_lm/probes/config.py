@@ -1,53 +1,65 @@
-"""``ProbeConfig``: everything one probe run needs besides the task, the model name and the seed."""
+"""``ProbeConfig``: everything one probe run needs besides the task, the model name and the seed.
+
+Settings are declared with :func:`option` (default and command-line help in one place): the CLIs
+(``bilinear_lm.probes.cli``) make one flag per field, so a new field is a new flag.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def option(default, help: str, **flag):
+    """A config field with its command-line help (``metadata``; ``flag``: further argparse keywords such as
+    ``choices`` or ``metavar``)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass(frozen=True)
 class ProbeConfig:
     """Training, evaluation and model-size settings of a probe run (the defaults are the paper's protocol).
 
-    Training: per-position cross-entropy on lengths uniform in ``train_lengths`` (inclusive), batch
-    ``batch_size``, Adam at ``lr`` (None: 3e-3 bilinear, 1e-3 baselines) with ``lr_schedule`` ("cosine": to 0
-    over ``steps`` or ``max_seconds``, whichever ends first), gradient clipping at ``grad_clip`` (0 = off), plus
-    ``state_consistency`` x the center loss on the recurrent state (bilinear models only, 0 = off).
-    Selection and stopping: every ``eval_every`` steps on ``val_size`` sequences of ``val_length``; stop once
-    validation accuracy has been perfect for ``patience`` steps. Test: ``test_size`` sequences at each of
-    ``test_lengths``, evaluated ``eval_tokens`` tokens at a time.
-    Models: ``hidden_size`` (every model), ``state_size`` / ``rank`` (None: state size, the number of task
-    symbols for ``full``) / ``block_size`` / ``gate`` / ``write_channel`` (CP only: ``BilinearConfig.write_channel``)
-    (bilinear), ``num_heads`` (transformers).
+    Training: per-position cross-entropy on lengths uniform in ``train_lengths``, Adam with a schedule and
+    gradient clipping, plus ``state_consistency`` x the center loss on the recurrent state (bilinear models only).
+    Selection and stopping: every ``eval_every`` steps on a validation set; stop once validation accuracy has been
+    perfect for ``patience`` steps. Test: ``test_size`` sequences at each of ``test_lengths``. Each field's help
+    says what it sets.
     """
 
-    train_lengths: tuple[int, int] = (2, 10)
-    test_lengths: tuple[int, ...] = (500,)
-    val_length: int = 250
-    val_size: int = 100
-    test_size: int = 1000
-    steps: int = 10000
-    max_seconds: float | None = None
-    patience: int = 2000
-    eval_every: int = 200
-    batch_size: int = 64
-    lr: float | None = None
-    lr_schedule: str = "cosine"
-    grad_clip: float = 1.0
-    state_consistency: float = 0.0
-    eval_tokens: int = 8192
-    hidden_size: int = 128
-    state_size: int = 128
-    rank: int | None = None
-    block_size: int = 2
-    gate: bool = False
-    write_channel: bool = False
-    num_heads: int = 4
-    verbose: bool = False
+    train_lengths: tuple[int, int] = option((2, 10), "training lengths, drawn uniformly from LO..HI (inclusive)")
+    test_lengths: tuple[int, ...] = option((500,), "test lengths")
+    val_length: int = option(250, "validation sequence length (model selection and stopping)")
+    val_size: int = option(100, "validation sequences")
+    test_size: int = option(1000, "test sequences per test length")
+    steps: int = option(10000, "maximum training steps")
+    max_seconds: float | None = option(None, "optional wall-clock budget per run")
+    patience: int = option(2000, "stop after validation accuracy is perfect this many steps")
+    eval_every: int = option(200, "validate every this many steps")
+    batch_size: int = option(64, "training batch size")
+    lr: float | None = option(None, "Adam lr (default 3e-3 bilinear, 1e-3 baselines)")
+    lr_schedule: str = option("cosine", "cosine: decay to 0 over the steps or max seconds, whichever ends first",
+                              choices=LR_SCHEDULES)
+    grad_clip: float = option(1.0, "max grad norm (0 = off)")
+    state_consistency: float = option(
+        0.0, "bilinear: add WEIGHT x a center loss pulling together the recurrent states of prefixes with the same "
+             "label (for tasks whose label is the automaton state; 0 = off, the paper's protocol)", metavar="WEIGHT")
+    eval_tokens: int = option(8192, "tokens per evaluation chunk (memory bound)")
+    hidden_size: int = option(128, "model width")
+    state_size: int = option(128, "bilinear state size")
+    rank: int | None = option(None, "bilinear rank (default: state size; number of task symbols for full)")
+    block_size: int = option(2, "bilinear block_diagonal block size")
+    gate: bool = option(False, "bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the "
+                               "paper's linear readout of the normalized state)")
+    write_channel: bool = option(False, "bilinear-cp: add the homogeneous write channel "
+                                        "(BilinearConfig.write_channel)")
+    num_heads: int = option(4, "transformer attention heads")
+    verbose: bool = option(False, "log every validation")
 
     def __post_init__(self):
-        def bad(field: str, requirement: str) -> ValueError:
-            return ValueError(f"ProbeConfig.{field} must be {requirement}, got {getattr(self, field)!r}")
+        def bad(name: str, requirement: str) -> ValueError:
+            return ValueError(f"ProbeConfig.{name} must be {requirement}, got {getattr(self, name)!r}")
 
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -60,18 +72,18 @@ class ProbeConfig:
         if not tests or not all(is_int(x) and x >= 1 for x in tests):
             raise bad("test_lengths", "a non-empty sequence of integers >= 1, e.g. (500,)")
         object.__setattr__(self, "test_lengths", tests)
-        for field in ("val_length", "val_size", "test_size", "steps", "patience", "eval_every", "batch_size",
+        for name in ("val_length", "val_size", "test_size", "steps", "patience", "eval_every", "batch_size",
                       "eval_tokens", "hidden_size", "state_size", "block_size", "num_heads"):
-            if not is_int(getattr(self, field)) or getattr(self, field) < 1:
-                raise bad(field, "an integer >= 1")
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
         if self.rank is not None and (not is_int(self.rank) or self.rank < 1):
             raise bad("rank", "None (the default rank) or an integer >= 1")
-        for field in ("lr", "max_seconds"):
-            value = getattr(self, field)
+        for name in ("lr", "max_seconds"):
+            value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise bad(field, "None or a finite number > 0")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise bad("lr_schedule", "'constant' or 'cosine'")
+                raise bad(name, "None or a finite number > 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise bad("lr_schedule", " or ".join(map(repr, LR_SCHEDULES)))
         if not (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise bad("grad_clip", "a finite number >= 0 (0 = off)")
         w = self.state_consistency

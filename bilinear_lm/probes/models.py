@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from ..baselines import build_model
+from ..modeling.configuration_bilinear import MIXER_TYPES
 from .config import ProbeConfig
 from .tasks import Task
 
-BILINEAR_MIXERS = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")
-MODEL_NAMES = tuple(f"bilinear-{m}" for m in BILINEAR_MIXERS) + (
+MODEL_NAMES = tuple(f"bilinear-{m}" for m in MIXER_TYPES) + (
     "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
 
 
@@ -41,8 +41,8 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
         raise ValueError(f"model name must be a string, got {name!r}; choose one of {list(MODEL_NAMES)}")
     if name.startswith("bilinear-"):
         mixer = name.split("-", 1)[1]
-        if mixer not in BILINEAR_MIXERS:
-            raise ValueError(f"unknown bilinear mixer {mixer!r}; choose one of {list(BILINEAR_MIXERS)}")
+        if mixer not in MIXER_TYPES:
+            raise ValueError(f"unknown bilinear mixer {mixer!r}; choose one of {list(MIXER_TYPES)}")
         cfg = dict(hidden_size=H, num_hidden_layers=1, num_heads=1, state_size=config.state_size,
                    rank=default_rank(mixer, config, num_symbols), mixer_type=mixer, use_mlp=False,
                    use_gate=config.gate, tie_word_embeddings=False)

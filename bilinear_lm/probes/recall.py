@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..baselines import build_model
 from ..utils import eval_mode
+from .config import option
 from .training import default_lr
 
 IGNORE = -100
@@ -50,23 +51,22 @@ def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, gener
 
 @dataclass(frozen=True)
 class RecallConfig:
-    """One MQAR run: data (``vocab_size``, ``seq_len``, ``num_pairs``; every training batch is freshly sampled, so a
-    model cannot pass by memorizing a fixed training set; ``test_size`` held-out examples), training (``steps`` of Adam at ``lr`` with cosine decay, ``batch_size``; ``lr`` None: the probes'
-    default, 3e-3 for bilinear models and 1e-3 for the baselines), and the model's size
-    (``hidden_size``, ``num_layers``; bilinear ``num_heads`` x ``state_size``, rank = state size; the baselines are
-    built at the same width and depth, Llama with ``num_heads`` heads)."""
+    """One MQAR run: data (every training batch is freshly sampled, so a model cannot pass by memorizing a fixed
+    training set), training (Adam with cosine decay) and the model's size (bilinear ``num_heads`` x ``state_size``,
+    rank = state size; the baselines are built at the same width and depth, Llama with ``num_heads`` heads).
+    Each field's help says what it sets."""
 
-    vocab_size: int = 1024
-    seq_len: int = 128
-    num_pairs: int = 8
-    test_size: int = 500
-    steps: int = 1500
-    batch_size: int = 64
-    lr: float | None = None
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    state_size: int = 32
+    vocab_size: int = option(1024, "vocabulary: keys from the first half, values from the second")
+    seq_len: int = option(128, "sequence length")
+    num_pairs: int = option(8, "key-value pairs per sequence")
+    test_size: int = option(500, "held-out test sequences")
+    steps: int = option(1500, "training steps")
+    batch_size: int = option(64, "training batch size")
+    lr: float | None = option(None, "Adam lr (default 3e-3 for bilinear models, 1e-3 for the baselines)")
+    hidden_size: int = option(128, "model width")
+    num_layers: int = option(2, "model depth")
+    num_heads: int = option(4, "bilinear and Llama heads")
+    state_size: int = option(32, "bilinear state size per head")
     extra: dict = field(default_factory=dict)  # further BilinearConfig keys for the bilinear models
 
     def __post_init__(self):
@@ -139,7 +139,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
         schedule.step()
     seconds = time.time() - t0
     result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"}, "lr": lr,
-              "extra": dict(c.extra), "num_params": sum(p.numel() for p in model.parameters()),
+              "extra": dict(c.extra), "config": asdict(c), "num_params": sum(p.numel() for p in model.parameters()),
               "train_loss": round(loss.item(), 4), "seconds": round(seconds, 1),
               "test_acc": query_accuracy(model, test_x, test_y)}
     log(f"mqar pairs={c.num_pairs} len={c.seq_len} {model_name} seed {seed}: test acc {result['test_acc']:.3f} "

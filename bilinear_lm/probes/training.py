@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -199,7 +200,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
     result = {
         "task": task.name, "task_params": task.params, "m": task.params.get("m"), "model": model_name, "seed": seed,
         "vocab_size": task.vocab_size, "num_classes": C, "chance": chance,
-        "model_config": model_cfg, "num_params": sum(p.numel() for p in model.parameters()),
+        "config": asdict(c), "model_config": model_cfg, "num_params": sum(p.numel() for p in model.parameters()),
         "lr": lr, "lr_schedule": c.lr_schedule, "state_consistency": c.state_consistency,
         "batch_size": c.batch_size, "train_lengths": [lo, hi],
         "val_length": c.val_length, "val_size": c.val_size, "test_size": c.test_size,

@@ -1,20 +1,18 @@
-"""Tiny offline checkpoints for tests and smoke runs (no hub access).
+"""Test fixtures: tiny offline checkpoints (no hub access).
 
 ``build_tokenizer`` trains train.py's byte-level BPE (``bilinear_lm.data.train_bpe_tokenizer``: lossless,
 BOS = EOS = pad = ``<|endoftext|>``) on a slice of a local text file.
 ``save_tiny_checkpoint`` saves a randomly initialized tiny model (llama or bilinear) + that tokenizer.
-
-    python eval/tiny_checkpoint.py OUT_DIR [--model_type llama|bilinear] [--text FILE]
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.raw"
+from conftest import DATA_DIR
+
+DEFAULT_TEXT = DATA_DIR / "wikitext-2-raw" / "wiki.valid.raw"
 
 
 def build_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512, n_chars: int = 200_000):
@@ -66,11 +64,3 @@ def cached_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512
         _TOKENIZER_CACHE[key] = build_tokenizer(text_file, vocab_size)
     return _TOKENIZER_CACHE[key]
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out_dir")
-    ap.add_argument("--model_type", default="llama", choices=["llama", "bilinear"])
-    ap.add_argument("--text", default=str(DEFAULT_TEXT))
-    a = ap.parse_args()
-    print(save_tiny_checkpoint(a.out_dir, a.model_type, a.text))

@@ -1,1 +1,0 @@
-"""Benchmark scripts (``python benchmarks/speed.py``), installed as ``bilinear_lm.benchmarks``."""

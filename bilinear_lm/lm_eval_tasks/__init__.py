@@ -1,4 +1,0 @@
-"""Offline lm-eval task YAMLs and their ``!function`` utils, shipped as package data.
-
-``bilinear_lm.lm_harness.TASKS_DIR`` is this folder: pass it to ``lm_eval --include_path``.
-"""

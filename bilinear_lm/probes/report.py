@@ -1,0 +1,137 @@
+"""Results of probe runs as tables and plots: state tracking (``markdown_table``, ``plot_accuracy_vs_length``,
+``write_report``) and MQAR recall (``recall_table``); ``run_key`` identifies a run in a results file."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .training import task_label
+
+
+def run_key(r: dict) -> tuple:
+    """What identifies a run in a results file (a sweep skips the runs already there): task, model, seed and its
+    whole ``config`` (``asdict(ProbeConfig)``) but ``verbose``, which changes only the log. Runs recorded without
+    a config (older results files) match no new run."""
+    config = {k: v for k, v in (r.get("config") or {}).items() if k != "verbose"}
+    return (r["task"], json.dumps(r["task_params"], sort_keys=True), r["model"], r["seed"],
+            json.dumps(config, sort_keys=True))
+
+
+def model_label(r: dict) -> str:
+    """Model name as tables and plots show it (runs with state consistency or a write channel are separate rows)."""
+    w = r.get("state_consistency", 0.0)
+    name = r["model"] + (" +write" if r.get("model_config", {}).get("write_channel") else "")
+    return f"{name} +consistency {w:g}" if w else name
+
+
+def _groups(runs: list[dict]):
+    tasks, models, cells = [], [], {}
+    for r in runs:
+        t, mdl = task_label(r), model_label(r)
+        if t not in tasks:
+            tasks.append(t)
+        if mdl not in models:
+            models.append(mdl)
+        cells.setdefault((t, mdl), []).append(r)
+    return tasks, models, cells
+
+
+def _longest(r: dict) -> str:
+    return max(r["test"], key=int)
+
+
+def markdown_table(runs: list[dict]) -> str:
+    tasks, models, cells = _groups(runs)
+    lengths = sorted({_longest(r) for r in runs}, key=int)
+    Ls = "/".join(lengths)
+
+    def fmt(vals):
+        if not vals:
+            return "-"
+        mean = sum(vals) / len(vals)
+        return f"{mean:.2f}" if len(vals) == 1 else f"{mean:.2f} ({min(vals):.2f}-{max(vals):.2f})"
+
+    out = []
+    for metric, title in (("final_acc", f"Final-position accuracy at length {Ls}"),
+                          ("final_acc_norm", f"Chance-normalized final-position accuracy at length {Ls}"),
+                          ("beyond_train_acc", f"Mean accuracy over positions beyond training, length {Ls}")):
+        out.append(f"### {title} (mean over seeds, (min-max) when several)\n")
+        out.append("| model | " + " | ".join(tasks) + " |")
+        out.append("|---|" + "---|" * len(tasks))
+        for mdl in models:
+            row = [fmt([r["test"][_longest(r)][metric] for r in cells.get((t, mdl), [])]) for t in tasks]
+            out.append(f"| {mdl} | " + " | ".join(row) + " |")
+        out.append("")
+    out.append("### Runs\n")
+    out.append("| task | model | seed | params | final acc | norm | beyond-train acc | best val acc | steps | seconds | stop |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        te = r["test"][_longest(r)]
+        out.append(f"| {task_label(r)} | {model_label(r)} | {r['seed']} | {r['num_params']} | {te['final_acc']:.3f} | "
+                   f"{te['final_acc_norm']:.3f} | {te['beyond_train_acc']:.3f} | {r['best_val_acc']:.3f} | "
+                   f"{r['steps']} | {r['seconds']:.1f} | {r['stop_reason']} |")
+    return "\n".join(out) + "\n"
+
+
+def plot_accuracy_vs_length(runs: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks, models, cells = _groups(runs)
+    n = len(tasks)
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, t in zip(axes.flat, tasks):
+        chance = None
+        for mdl in models:
+            rs = cells.get((t, mdl), [])
+            if not rs:
+                continue
+            curves = [r["test"][_longest(r)]["per_position_acc"] for r in rs]
+            T = min(len(c) for c in curves)
+            mean = [sum(c[i] for c in curves) / len(curves) for i in range(T)]
+            ax.plot(range(1, T + 1), mean, label=mdl, lw=1.2)
+            chance = rs[0]["chance"]
+            hi = rs[0]["train_lengths"][1]
+        ax.axvline(hi, color="gray", ls="--", lw=0.8)
+        if chance is not None:
+            ax.axhline(chance, color="gray", ls=":", lw=0.8)
+        ax.set_title(t)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("sequence length (position)")
+        ax.set_ylabel("accuracy")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("State tracking: accuracy vs length (dashed: longest training length, dotted: chance)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(runs: list[dict], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.md").write_text(markdown_table(runs))
+    plot_accuracy_vs_length(runs, out_dir / "accuracy_vs_length.png")
+
+
+def recall_table(runs: list[dict]) -> str:
+    """MQAR results: rows: models; columns: (seq_len, pairs); cells: mean test query accuracy over seeds (and the seed count)."""
+    cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    lines = ["| model | params | " + " | ".join(f"L={L}, {p} pairs" for L, p in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for m in models:
+        cells = []
+        for col in cols:
+            accs = [r["test_acc"] for r in runs if r["model"] == m and (r["seq_len"], r["num_pairs"]) == col]
+            cells.append(f"{sum(accs) / len(accs):.3f}" + (f" (n={len(accs)})" if len(accs) > 1 else "") if accs
+                         else "-")
+        params = next(r["num_params"] for r in runs if r["model"] == m)
+        lines.append(f"| {m} | {params / 1e3:.0f}k | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

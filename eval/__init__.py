@@ -1,1 +1,0 @@
-"""Evaluation scripts (``python eval/perplexity.py``), installed as ``bilinear_lm.eval``."""
