@@ -49,7 +49,7 @@ def test_train_part_with_any_precision_subset(untimed, precisions, capsys):
 
 def test_output_writes_the_printed_tables_to_the_named_file_only(untimed, tmp_path, capsys):
     """--output FILE: the tables as printed, written (not appended) to FILE; nothing else is written."""
-    results_page = BENCHMARKS / "RESULTS.md"
+    results_page = BENCHMARKS.parent / "docs" / "results.md"
     before = results_page.read_text()
     out = tmp_path / "tables" / "speed.md"
     for _ in range(2):
