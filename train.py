@@ -29,7 +29,7 @@ import yaml
 class TrainingInputError(ValueError):
     """Unusable user input to train.py (config keys and values, checkpoint paths, data that does not fit the model);
     the message says what to pass instead. The command line prints it as one line; anything else is a bug and keeps
-    its traceback. (Data-pipeline problems raise `bilinear_lm.data.DataError`, printed the same way.)"""
+    its traceback. (Data-pipeline problems raise `bilinear_lm.training.data.DataError`, printed the same way.)"""
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -393,7 +393,7 @@ def load_data(cfg: dict, accelerator, resume: Path | None) -> Data:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
-    from bilinear_lm.data import build_tokenizer, load_raw_text, tokenize_and_pack
+    from bilinear_lm.training.data import build_tokenizer, load_raw_text, tokenize_and_pack
 
     raw = load_raw_text(
         dataset=None if cfg["train_file"] or cfg["dataset"] in (None, "none") else cfg["dataset"],
@@ -644,7 +644,7 @@ def flat_config(cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured by ``argv`` (the command line's arguments); returns the final metrics record.
-    Bad input raises TrainingInputError or bilinear_lm.data.DataError."""
+    Bad input raises TrainingInputError or bilinear_lm.training.data.DataError."""
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
 
     from accelerate import Accelerator
@@ -707,7 +707,7 @@ def cli(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    from bilinear_lm.data import DataError
+    from bilinear_lm.training.data import DataError
 
     try:
         main(argv)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bilinear_lm import data as D
+from bilinear_lm.training import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO.parent / "shared" / "data"

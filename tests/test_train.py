@@ -228,7 +228,7 @@ def test_lstm_trains_saves_reloads_and_generates_through_train_py(small_text, tm
 def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
     """Bad input raises the dedicated errors (printed as one line by the CLI), before any training."""
     import train
-    from bilinear_lm.data import DataError
+    from bilinear_lm.training.data import DataError
 
     if bad.get("train_file") == "EMPTY":
         (tmp_path / "empty.txt").write_text("")

@@ -255,7 +255,7 @@ def test_a_rank_fails_when_the_main_process_failed_and_does_not_run_its_part():
 
 def test_the_failed_rank_raises_its_own_error_and_success_everywhere_returns():
     import train
-    from bilinear_lm.data import DataError
+    from bilinear_lm.training.data import DataError
 
     def fail():
         raise DataError("tokenizer path is not a directory")
@@ -291,7 +291,7 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from bilinear_lm.data import tokenize_and_pack
+    from bilinear_lm.training.data import tokenize_and_pack
 
     vocab = {c: i for i, c in enumerate("abcd")} | {"e": 40}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))

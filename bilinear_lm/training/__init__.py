@@ -1,0 +1,1 @@
+"""What train.py is built from: `data` (text, tokenizers, packing)."""
