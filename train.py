@@ -6,30 +6,26 @@ Single process, N GPUs (`accelerate launch --multi_gpu --num_processes N`), CPU 
 (`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2`) and FSDP
 (`accelerate launch --config_file bilinear_lm/configs/accelerate/fsdp.yaml`) all run this same file.
 
-Reads top to bottom: config -> checkpoints and the TrainState they carry -> metrics -> processes (all ranks fail
-together; the bf16-on-CPU check) -> data -> model and optimizer -> the training loop (log, evaluate, checkpoint)
--> finish (save, plot, sample, lm-eval) -> main, which calls them in that order -> the command line.
+Reads top to bottom: config -> data -> model and optimizer -> the training loop (log, evaluate, checkpoint) -> finish
+(save, plot, sample, lm-eval) -> main, which calls them in that order -> the command line. Checkpoints and the
+TrainState they carry, metrics and the helpers for several processes are in `bilinear_lm.training`.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 import time
 import types
 import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-
-class TrainingInputError(ValueError):
-    """Unusable user input to train.py (config keys and values, checkpoint paths, data that does not fit the model);
-    the message says what to pass instead. The command line prints it as one line; anything else is a bug and keeps
-    its traceback. (Data-pipeline problems raise `bilinear_lm.training.data.DataError`, printed the same way.)"""
+from bilinear_lm.training import (MetricsLog, TrainingInputError, TrainState, append_metrics, bf16_cpu_warning,
+                                  find_checkpoint, params_identical_across_ranks, plot_losses, save_checkpoint,
+                                  together)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -197,184 +193,6 @@ def parse_config(argv: list[str]) -> dict:
         raise TrainingInputError(f"--transition_lr_scale must be > 0 and applies to --model_type bilinear only; got "
                                  f"{cfg['transition_lr_scale']} with --model_type {cfg['model_type']}")
     return cfg
-
-
-# ----------------------------------------------------------------------------------------- checkpoints
-DONE_MARKER = "CHECKPOINT_COMPLETE"
-
-
-@dataclass
-class TrainState:
-    """Where training stands: saved with every checkpoint (`trainer_state.json`) and restored on resume, so the step
-    count, the data order and the training clock continue where they stopped."""
-
-    step: int = 0               # optimizer steps done
-    epoch: int = 0              # pass over the training data in progress (0-based)
-    batches_done: int = 0       # micro-batches of this epoch consumed
-    train_seconds: float = 0.0  # wall-clock spent in training steps (not evaluation or checkpoints), over all resumes
-
-    @classmethod
-    def load(cls, checkpoint: Path) -> TrainState:
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})  # older ones lack train_seconds
-
-
-def find_checkpoint(output_dir: str, spec: str) -> Path | None:
-    """`latest` -> newest complete OUTPUT_DIR/checkpoints/step_N (None if there is none); else a path."""
-    if spec == "latest":
-        done = [p for p in (Path(output_dir) / "checkpoints").glob("step_*") if (p / DONE_MARKER).exists()]
-        return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-    path = Path(spec)
-    if not (path / DONE_MARKER).exists():
-        raise TrainingInputError(f"--resume_from_checkpoint {spec!r}: not a complete checkpoint directory "
-                                 f"(expected {path / DONE_MARKER}); use 'latest' or OUTPUT_DIR/checkpoints/step_N")
-    return path
-
-
-def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer) -> None:
-    """accelerator.save_state into a temporary directory, marker written last, then an atomic rename."""
-    final = Path(output_dir) / "checkpoints" / f"step_{state.step}"
-    tmp = final.with_name(f".tmp_step_{state.step}")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
-        with open(tmp / DONE_MARKER, "w") as f:
-            f.write(f"{state.step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
-
-
-# ----------------------------------------------------------------------------------------------- metrics
-def append_metrics(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-class MetricsLog:
-    """OUTPUT_DIR/metrics.jsonl (one JSON record per line, written by the main process) and the Accelerate
-    trackers (`--report_to`)."""
-
-    def __init__(self, accelerator, path: Path):
-        self.accelerator, self.path = accelerator, path
-
-    def start(self, resumed_at: int | None) -> None:
-        """A fresh run starts an empty file; a resumed one drops the records past its checkpoint's step."""
-        if not self.accelerator.is_main_process or not self.path.exists():
-            return
-        if resumed_at is None:
-            self.path.unlink()
-            return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_at]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
-
-    def log(self, record: dict) -> None:
-        if self.accelerator.is_main_process:
-            append_metrics(self.path, record)
-        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
-                             step=record["step"])
-
-
-def plot_losses(metrics_path: Path, png_path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train", lw=1)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------ processes
-def fail_together(accelerator, error: BaseException | None, what: str) -> None:
-    """Called by every rank after a section that can fail on some ranks only: if it failed anywhere, every rank
-    raises (a failed rank its own error) instead of leaving the others waiting in the next collective forever.
-    One gather of a flag; nothing to exchange in a single process."""
-    failed = [0] if error is not None else []
-    if accelerator.num_processes > 1:
-        import torch
-
-        flags = accelerator.gather(torch.tensor([int(error is not None)], device=accelerator.device))
-        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
-    if error is not None:
-        raise error
-    if failed:
-        raise TrainingInputError(f"{what} failed on process {', '.join(map(str, failed))} (its error is printed "
-                                 f"above); stopping process {accelerator.process_index} too")
-
-
-def together(accelerator, fn, what: str, main_first: bool = False):
-    """``fn()`` on every rank (the main process first, the others after it succeeded, with ``main_first``: e.g. it
-    writes files the others read). If it raises on any rank, it raises on every rank (`fail_together`)."""
-    result, error = None, None
-    if main_first:  # every rank takes part in both exchanges: collectives must match across ranks
-        if accelerator.is_main_process:
-            try:
-                result = fn()
-            except Exception as err:  # noqa: BLE001 - re-raised by fail_together on this rank
-                error = err
-        fail_together(accelerator, error, what)
-    if not (main_first and accelerator.is_main_process):
-        try:
-            result = fn()
-        except Exception as err:  # noqa: BLE001 - re-raised by fail_together on this rank
-            error = err
-    fail_together(accelerator, error, what)
-    return result
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, ARM BF16), from the kernel's CPU flags.
-    Without flags to read: False when oneDNN has no bf16 path at all (`torch.ops.mkldnn._is_mkldnn_bf16_supported`),
-    else None (unknown). oneDNN's check alone cannot say: it is True on any AVX512 CPU, where bf16 is emulated."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        text = ""
-    flags = set()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    if flags:
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    import torch
-
-    try:
-        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return None
-    return False if not supported else None
-
-
-def bf16_cpu_warning(mixed_precision: str | None, device_type: str) -> str | None:
-    """The startup warning for bf16 autocast on a CPU without native bf16 (None when there is nothing to say)."""
-    if mixed_precision != "bf16" or device_type != "cpu" or cpu_has_native_bf16() is not False:
-        return None
-    return ("WARNING: --mixed_precision bf16 on a CPU without native bf16 (no avx512_bf16 / amx_bf16 CPU flag): bf16 "
-            "is emulated there and training runs about 14x slower than in fp32 (measured on a 2-core AVX2 CPU). "
-            "Use --mixed_precision no on this machine.")
 
 
 # -------------------------------------------------------------------------------------------------- data
@@ -574,18 +392,6 @@ def train(cfg: dict, accelerator, model, optimizer, scheduler, data: Data, state
 
 
 # ----------------------------------------------------------------------------------------------- finish
-def params_identical_across_ranks(accelerator, model) -> bool | None:
-    """DDP sanity check: every rank holds identical parameters (None under FSDP: they are sharded)."""
-    import torch
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return None
-    checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).reshape(1, -1)
-    all_checksums = accelerator.gather(checksum)
-    return bool((all_checksums == all_checksums[0]).all().item())
-
-
 def print_sample(cfg: dict, model, tokenizer, raw, device) -> None:
     import torch
 

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bilinear_lm.training import TrainingInputError, TrainState, distributed, together
+
 REPO = Path(__file__).resolve().parents[1]
 PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
 SMALL = {"hidden_size": 16, "num_hidden_layers": 2, "num_heads": 2, "state_size": 4, "rank": 4}
@@ -185,46 +187,40 @@ def test_transition_lr_scale_gives_the_transitions_their_own_learning_rate_throu
 
 # ------------------------------------------------------------------------------------------ TrainState
 def test_train_state_round_trips_and_reads_old_checkpoints(tmp_path):
-    import train
-
-    state = train.TrainState(step=5, epoch=1, batches_done=3, train_seconds=12.5)
+    state = TrainState(step=5, epoch=1, batches_done=3, train_seconds=12.5)
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 5, "epoch": 1, "batches_done": 3,
                                                              "train_seconds": 12.5}))
-    assert train.TrainState.load(tmp_path) == state
+    assert TrainState.load(tmp_path) == state
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 5, "epoch": 1, "batches_done": 3}))
-    assert train.TrainState.load(tmp_path) == train.TrainState(step=5, epoch=1, batches_done=3, train_seconds=0.0)
+    assert TrainState.load(tmp_path) == TrainState(step=5, epoch=1, batches_done=3, train_seconds=0.0)
 
 
 # ------------------------------------------------------------------------------------------ bf16 on CPU
 @pytest.mark.parametrize("native, warns", [(True, False), (False, True), (None, False)])
 def test_bf16_warning_on_a_cpu_without_native_bf16(monkeypatch, native, warns):
-    import train
-
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: native)
-    warning = train.bf16_cpu_warning("bf16", "cpu")
+    monkeypatch.setattr(distributed, "cpu_has_native_bf16", lambda: native)
+    warning = distributed.bf16_cpu_warning("bf16", "cpu")
     assert (warning is not None) == warns
     if warns:
         assert "14x slower" in warning and "--mixed_precision no" in warning
-    assert train.bf16_cpu_warning("no", "cpu") is None and train.bf16_cpu_warning("bf16", "cuda") is None
+    assert distributed.bf16_cpu_warning("no", "cpu") is None and distributed.bf16_cpu_warning("bf16", "cuda") is None
 
 
 def test_native_bf16_probe_reads_the_cpu_flags(tmp_path, monkeypatch):
-    import train
-
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_bf16 amx_tile\n")
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is True
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is True
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512vl avx512dq\n")
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is False  # AVX512 alone: oneDNN emulates bf16
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is False  # AVX512 alone: oneDNN emulates bf16
     cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # aarch64
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is True
     # no flags to read: oneDNN's answer, when it says there is no bf16 path at all
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    assert distributed.cpu_has_native_bf16(str(tmp_path / "missing")) is False
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is None
+    assert distributed.cpu_has_native_bf16(str(tmp_path / "missing")) is None
 
 
 # ------------------------------------------------------------------------------------ failing together
@@ -243,30 +239,27 @@ class FakeAccelerator:
 
 
 def test_a_rank_fails_when_the_main_process_failed_and_does_not_run_its_part():
-    import train
-
     calls = []
-    with pytest.raises(train.TrainingInputError, match="building the tokenizer failed on process 0 .* stopping "
-                                                       "process 1 too"):
-        train.together(FakeAccelerator(1, other_failed=True), lambda: calls.append(1), "building the tokenizer",
-                       main_first=True)
+    with pytest.raises(TrainingInputError, match="building the tokenizer failed on process 0 .* stopping process 1 "
+                                                 "too"):
+        together(FakeAccelerator(1, other_failed=True), lambda: calls.append(1), "building the tokenizer",
+                 main_first=True)
     assert calls == []
 
 
 def test_the_failed_rank_raises_its_own_error_and_success_everywhere_returns():
-    import train
-    from bilinear_lm.training.data import DataError
+    from bilinear_lm.training import DataError
 
     def fail():
         raise DataError("tokenizer path is not a directory")
 
     with pytest.raises(DataError, match="tokenizer path is not a directory"):
-        train.together(FakeAccelerator(0, other_failed=False), fail, "building the tokenizer", main_first=True)
+        together(FakeAccelerator(0, other_failed=False), fail, "building the tokenizer", main_first=True)
     ranks = [FakeAccelerator(0, other_failed=False), FakeAccelerator(1, other_failed=False)]
-    assert [train.together(acc, lambda: "tok", "x", main_first=True) for acc in ranks] == ["tok", "tok"]
+    assert [together(acc, lambda: "tok", "x", main_first=True) for acc in ranks] == ["tok", "tok"]
     assert ranks[0].gathers == ranks[1].gathers == 2  # every rank takes part in the same collectives
-    with pytest.raises(train.TrainingInputError, match="tokenizing failed on process 1"):
-        train.together(FakeAccelerator(0, other_failed=True), lambda: "tok", "tokenizing")
+    with pytest.raises(TrainingInputError, match="tokenizing failed on process 1"):
+        together(FakeAccelerator(0, other_failed=True), lambda: "tok", "tokenizing")
 
 
 # ------------------------------------------------------------------------------------ command-line errors

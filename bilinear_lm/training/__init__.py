@@ -1,1 +1,18 @@
-"""What train.py is built from: `data` (text, tokenizers, packing)."""
+"""What train.py is built from: the data pipeline, checkpoints and the TrainState they carry, metrics, and helpers
+for several processes.
+
+    config        TrainingInputError
+    data          load_raw_text, build_tokenizer, tokenize_and_pack, DataError
+    checkpoint    TrainState, find_checkpoint, save_checkpoint
+    metrics       MetricsLog, append_metrics, read_metrics, plot_losses
+    distributed   together, fail_together, params_identical_across_ranks, bf16_cpu_warning
+"""
+from .checkpoint import TrainState, find_checkpoint, save_checkpoint
+from .config import TrainingInputError
+from .data import DataError, build_tokenizer, load_raw_text, tokenize_and_pack
+from .distributed import bf16_cpu_warning, fail_together, params_identical_across_ranks, together
+from .metrics import MetricsLog, append_metrics, plot_losses, read_metrics
+
+__all__ = ["TrainingInputError", "DataError", "build_tokenizer", "load_raw_text", "tokenize_and_pack", "TrainState",
+           "find_checkpoint", "save_checkpoint", "MetricsLog", "append_metrics", "plot_losses", "read_metrics",
+           "together", "fail_together", "params_identical_across_ranks", "bf16_cpu_warning"]
