@@ -40,7 +40,7 @@ NANOGPT = {"shakespeare-char": {75: 1.886, 180: 1.68}}
 DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mamba"]
 # train.py flags that leave a step's time unchanged (optimizer settings, seed, initialization): runs differing only in
 # these share a calibration.
-UNTIMED_FLAGS = ("--learning_rate", "--transition_lr_scale", "--min_lr_ratio", "--warmup_steps", "--weight_decay",
+UNTIMED_FLAGS = ("--learning_rate", "--min_lr_ratio", "--warmup_steps", "--weight_decay",
                  "--beta1", "--beta2", "--grad_clip", "--seed", "--model.initializer_range",
                  "--model.input_factor_init_std", "--model.input_factor_multiplier", "--model.factor_bias_min",
                  "--model.rotation_init_base")

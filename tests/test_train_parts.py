@@ -1,28 +1,57 @@
-"""train.py's parts in one process, without training: model keys, optimizer groups, TrainState, the bf16 warning,
-failing every rank together, the token-id check and the command line's error handling."""
+"""train.py's parts in one process, without training: the configuration (dataclass defaults, YAML preset, command
+line, model keys), optimizer groups, TrainState, the bf16 warning, failing every rank together, the token-id check
+and the command line's error handling."""
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from bilinear_lm.training import TrainingInputError, TrainState, distributed, together
+from bilinear_lm.training import TrainingInputError, TrainState, distributed, parse_config, together
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
 SMALL = {"hidden_size": 16, "num_hidden_layers": 2, "num_heads": 2, "state_size": 4, "rank": 4}
 
 
-# ------------------------------------------------------------------------------------------- model keys
+# -------------------------------------------------------------------------------------------- configuration
+def test_command_line_over_preset_over_dataclass_default(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("max_steps: 7\nlearning_rate: 2.0e-3\ntokenizer: char\nsample_prompt: null\n"
+                      "model:\n  hidden_size: 64\n  num_heads: 2\n")
+    cfg = parse_config(["--config", str(preset), "--learning_rate=5e-4", "--model.num_heads", "4", "--block-size",
+                        "32", "--learning_rate", "3e-4"])
+    assert cfg.train.max_steps == 7 and cfg.data.tokenizer == "char"  # the preset's
+    assert cfg.train.learning_rate == 3e-4 and cfg.data.block_size == 32  # the command line's (the last one)
+    assert cfg.train.batch_size == 16 and cfg.train.sample_prompt is None  # the dataclass defaults
+    assert cfg.model == {"hidden_size": 64, "num_heads": 4}  # the preset's model keys, the command line over them
+    assert parse_config([]).train.max_steps == 1000 and parse_config([]).model == {}
+
+
+@pytest.mark.parametrize("preset_text, message", [
+    ("max_steps: many\n", r"preset .*p.yaml: argument --max_steps/--max-steps: invalid int value: 'many'"),
+    ("mixed_precision: no\n", r"preset .*p.yaml: argument --mixed_precision.* invalid choice: 'false'"),
+    ("learning_rat: 0.1\n", r"preset .*p.yaml: unknown argument '--learning_rat' \(did you mean --learning_rate\?\)"),
+    ("model:\n  hiden_size: 3\n", r"preset .*p.yaml: unknown model key 'hiden_size'; valid model keys: .*hidden_size"),
+    ("model:\n  conv_width: wide\n", r"preset .*p.yaml: argument --model.conv_width: invalid int value: 'wide'"),
+    ("- max_steps\n", r"--config .*p.yaml': a preset maps keys to values"),
+    ("max_steps: [1\n", r"--config .*p.yaml': not valid YAML"),
+])
+def test_bad_preset_values_are_one_line_errors_naming_the_key(tmp_path, preset_text, message):
+    (tmp_path / "p.yaml").write_text(preset_text)
+    with pytest.raises(TrainingInputError, match=message):
+        parse_config(["--config", str(tmp_path / "p.yaml")])
+
+
 def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_them():
-    import train
     from bilinear_lm.baselines import build_model
 
-    cfg = train.parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
-                              "--model.gate_activation", "sigmoid", "--model.reset_state_at_eos", "yes",
-                              "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
-    model = cfg["model"]
+    cfg = parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
+                        "--model.gate_activation", "sigmoid", "--model.reset_state_at_eos", "yes",
+                        "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
+    model = cfg.model
     assert model["conv_width"] == 4 and type(model["conv_width"]) is int
     assert model["write_channel"] is True and model["reset_state_at_eos"] is True  # bools, not the int 1 / "yes"
     assert model["gate_activation"] == "sigmoid"
@@ -31,35 +60,38 @@ def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_t
     built = build_model("bilinear", {**model, "eos_token_id": 0}, vocab_size=65)
     assert built.config.conv_width == 4 and built.config.write_channel is True
     assert built.config.gate_activation == "sigmoid" and built.config.reset_state_at_eos is True
-    # a string-typed key keeps what YAML would turn into a bool; a bare flag is true
-    assert train.parse_config(["--model.gate_activation", "yes"])["model"]["gate_activation"] == "yes"
-    assert train.parse_config(["--model.write_channel"])["model"]["write_channel"] is True
-    assert train.parse_config(["--model.conv_width", "4.0"])["model"]["conv_width"] == 4
-    with pytest.raises(train.TrainingInputError, match="--model.write_channel: expected true/false, got 'maybe'"):
-        train.parse_config(["--model.write_channel", "maybe"])
-    with pytest.raises(train.TrainingInputError, match="--model.conv_width: expected int, got '4.5'"):
-        train.parse_config(["--model.conv_width", "4.5"])
+    # a string-typed key keeps what YAML would turn into a bool; a bare flag is true; "=" works as a separator
+    assert parse_config(["--model.gate_activation", "yes"]).model["gate_activation"] == "yes"
+    assert parse_config(["--model.write_channel"]).model["write_channel"] is True
+    assert parse_config(["--model.initializer_range=-0.5"]).model["initializer_range"] == -0.5
+    assert parse_config(["--model.eos_token_id", "[1, 2]"]).model["eos_token_id"] == [1, 2]  # int | list: as YAML
+    with pytest.raises(TrainingInputError, match="argument --model.write_channel: invalid bool value: 'maybe'"):
+        parse_config(["--model.write_channel", "maybe"])
+    for value in ("4.5", "4.0"):  # ints are written as ints, as for the training keys
+        with pytest.raises(TrainingInputError, match=f"argument --model.conv_width: invalid int value: '{value}'"):
+            parse_config(["--model.conv_width", value])
 
 
 def test_preset_model_values_are_typed(tmp_path):
-    import train
-
     preset = tmp_path / "p.yaml"
     preset.write_text("model:\n  hidden_size: 64\n  rms_norm_eps: 1e-6\n  write_channel: true\n")
-    model = train.parse_config(["--config", str(preset)])["model"]
+    model = parse_config(["--config", str(preset)]).model
     assert model == {"hidden_size": 64, "rms_norm_eps": 1e-6, "write_channel": True}  # YAML reads 1e-6 as a string
     assert type(model["rms_norm_eps"]) is float
 
 
-def test_help_lists_every_model_key_with_its_type(capsys):
+def test_help_lists_every_key_and_every_model_key_with_its_type(capsys):
     import train
 
-    assert train.cli(["--help"]) == 0
+    with pytest.raises(SystemExit) as exit_:
+        train.cli(["--help"])
+    assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for line in ("--model.conv_width             int    0", "--model.write_channel          bool   False",
-                 "--model.gate_activation        str    'silu'", "--model.reset_state_at_eos     bool   False",
-                 "--model.vocab_size             int    len(tokenizer)", "--max_steps"):
-        assert line in out
+    for pattern in (r"--model.conv_width +int +0\n", r"--model.write_channel +bool +False\n",
+                    r"--model.gate_activation +str +'silu'\n", r"--model.reset_state_at_eos +bool +False\n",
+                    r"--model.vocab_size +int +len\(tokenizer\)\n", r"--max_steps MAX_STEPS.*\n +optimizer steps",
+                    r"--config CONFIG +a YAML preset", r"--model_type \{bilinear,llama,mamba,lstm\}"):
+        assert re.search(pattern, out), pattern
 
 
 # ------------------------------------------------------------------------------------- optimizer groups
@@ -142,9 +174,9 @@ def test_train_py_builds_adamw_on_the_models_groups():
     accelerator = SimpleNamespace(num_processes=1)
     for model_type, rule in (("bilinear", lambda m: _expected_bilinear(2, conv=True, write_channel=True)),
                              ("llama", None)):
-        cfg = train.parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
-                                  *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
-                                  "--model.conv_width", "4", "--model.write_channel", "true"])
+        cfg = parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
+                            *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
+                            "--model.conv_width", "4", "--model.write_channel", "true"])
         model, optimizer, scheduler = train.build_model_and_optimizer(cfg, accelerator, tokenizer)
         groups = optimizer.param_groups
         assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
@@ -152,37 +184,6 @@ def test_train_py_builds_adamw_on_the_models_groups():
         if rule is not None:
             assert names == rule(model)
         assert not any("norm" in n for n in names[0])
-
-
-def test_transition_lr_scale_gives_the_transitions_their_own_learning_rate_through_the_schedule():
-    """``--transition_lr_scale 5``: W1, W2 and factor_bias (and nothing else) sit in groups at 5x the learning rate,
-    with their usual weight decay, and the cosine schedule keeps the ratio; other model types refuse the flag."""
-    import train
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(
-        vocab={c: i for i, c in enumerate("abcdefghij")}, merges=[])))
-    cfg = train.parse_config(["--config", PRESET, "--learning_rate", "2e-3", "--transition_lr_scale", "5",
-                              "--warmup_steps", "2", "--max_steps", "10",
-                              *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))]])
-    model, optimizer, scheduler = train.build_model_and_optimizer(cfg, SimpleNamespace(num_processes=1), tokenizer)
-    names = _group_names(model, optimizer.param_groups)
-    transitions = [f"model.layers.{i}.mixer.{n}" for i in range(2) for n in ("W1", "W2")]
-    biases = [f"model.layers.{i}.mixer.factor_bias" for i in range(2)]
-    assert names[2] == sorted(transitions) and names[3] == sorted(biases)
-    plain = _expected_bilinear(2)
-    assert names[0] == sorted(set(plain[0]) - set(transitions)) and names[1] == sorted(set(plain[1]) - set(biases))
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0, 0.1, 0.0]
-    for _ in range(4):
-        optimizer.step()
-        scheduler.step()
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        assert lrs[0] > 0 and lrs[2] == pytest.approx(5 * lrs[0]) and lrs[3] == pytest.approx(5 * lrs[1])
-    with pytest.raises(train.TrainingInputError, match="--transition_lr_scale .* bilinear only"):
-        train.parse_config(["--config", PRESET, "--model_type", "llama", "--transition_lr_scale", "2"])
-    with pytest.raises(train.TrainingInputError, match="--transition_lr_scale must be > 0"):
-        train.parse_config(["--config", PRESET, "--transition_lr_scale", "0"])
 
 
 # ------------------------------------------------------------------------------------------ TrainState
@@ -267,7 +268,10 @@ def test_cli_prints_input_errors_as_one_line_and_keeps_tracebacks_of_bugs(monkey
     import train
 
     assert train.cli(["--max_stepz", "3"]) == 1
-    assert capsys.readouterr().err.startswith("error: unknown config key 'max_stepz'")
+    assert capsys.readouterr().err == ("error: unknown argument '--max_stepz' (did you mean --max_steps?); train.py "
+                                       "--help lists the arguments\n")
+    assert train.cli(["--config", str(tmp_path / "missing.yaml")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: --config '{tmp_path / 'missing.yaml'}': preset file not found")
 
     def internal_bug(*args, **kwargs):
         raise ValueError("an internal error")
@@ -277,6 +281,16 @@ def test_cli_prints_input_errors_as_one_line_and_keeps_tracebacks_of_bugs(monkey
         train.cli(["--config", PRESET, "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("flag", ["--transition_lr_scale", "--log_shard_checksums"])
+def test_removed_flags_are_unknown_arguments(flag, capsys):
+    """--transition_lr_scale (rejected by a measurement, benchmarks/RESULTS.md) and --log_shard_checksums (a test
+    hook now) are gone: one line, exit status 1."""
+    import train
+
+    assert train.cli(["--config", PRESET, flag, "2"]) == 1
+    assert capsys.readouterr().err == f"error: unknown argument '{flag}'; train.py --help lists the arguments\n"
+
+
 def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     """A tokenizer whose ids are not below its length (a gap in its vocabulary)."""
     import train
@@ -284,7 +298,7 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from bilinear_lm.training.data import tokenize_and_pack
+    from bilinear_lm.training import tokenize_and_pack
 
     vocab = {c: i for i, c in enumerate("abcd")} | {"e": 40}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))
@@ -292,7 +306,7 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     raw = DatasetDict(train=Dataset.from_dict({"text": ["abcdabcde" * 4]}),
                       validation=Dataset.from_dict({"text": ["abcdabcd" * 2]}))
     blocks = tokenize_and_pack(raw, tokenizer, 8)
-    with pytest.raises(train.TrainingInputError, match=r"token id 40 in the train data is outside the model's "
-                                                       r"vocabulary of 5 ids .*--model.vocab_size 41"):
+    with pytest.raises(TrainingInputError, match=r"token id 40 in the train data is outside the model's "
+                                                 r"vocabulary of 5 ids .*--model.vocab_size 41"):
         train.check_token_ids(blocks, 5)
     train.check_token_ids(blocks, 41)
