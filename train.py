@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
 from bilinear_lm.baselines import bilinear_config, build_model, count_parameters, optimizer_groups
-from bilinear_lm.training import (Config, DataError, MetricsLog, TrainingInputError, TrainState,
+from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
                                   append_metrics, bf16_cpu_warning, build_tokenizer, find_checkpoint, load_raw_text,
                                   params_identical_across_ranks, parse_config, plot_losses, save_checkpoint,
                                   together, tokenize_and_pack)
@@ -47,9 +47,9 @@ class Data:
 
 
 def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
-    """Text (`--train_file`, else `--dataset`) -> tokenizer (built once by the main process; every rank loads the
-    same files) -> packed blocks and their loaders."""
-    train_file = cfg.data.train_file
+    """Text (`--train_file`, else `--dataset`, else the Tiny Shakespeare text shipped with the package) -> tokenizer
+    (built once by the main process; every rank loads the same files) -> packed blocks and their loaders."""
+    train_file = cfg.data.train_file or (None if cfg.data.dataset else DEFAULT_TRAIN_FILE)
     raw = load_raw_text(dataset=None if train_file else cfg.data.dataset, dataset_config=cfg.data.dataset_config,
                         train_file=train_file, validation_file=cfg.data.validation_file,
                         text_column=cfg.data.text_column, val_fraction=cfg.data.val_fraction)
@@ -64,10 +64,12 @@ def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
 
     tokenizer = together(accelerator, tokenizer_files, "building the tokenizer", main_first=True)
     add_eos = cfg.data.add_eos
-    if add_eos is None:  # rows are documents for .jsonl (wikitext lines keep their "\n")
-        add_eos = bool(train_file and Path(train_file).suffix.lower() in (".jsonl", ".json"))
+    if add_eos is None:  # rows are documents in .jsonl files and Hub datasets, lines (that keep their "\n") in .txt
+        add_eos = train_file is None or Path(train_file).suffix.lower() in (".jsonl", ".json")
     if add_eos and tokenizer.eos_token_id is None:
-        raise TrainingInputError("--add_eos true needs a tokenizer with an EOS token (the char tokenizer has none)")
+        raise TrainingInputError("EOS after every row (--add_eos true, the default for .jsonl files and Hub datasets) "
+                                 "needs a tokenizer with an EOS token (the char tokenizer has none): pass --add_eos "
+                                 "false or another --tokenizer")
     if cfg.train.eval_lm_harness and tokenizer.eos_token_id is None:
         raise TrainingInputError("--eval_lm_harness needs a tokenizer with an EOS token (lm-eval uses it as the "
                                  "end-of-text token; the char tokenizer has none): omit --tokenizer char")

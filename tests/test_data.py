@@ -1,4 +1,5 @@
 """Data pipeline and config parsing of train.py, against independent references (plain slicing / loops)."""
+import hashlib
 import json
 import os
 import subprocess
@@ -12,13 +13,18 @@ from bilinear_lm.training import data as D
 from bilinear_lm.training import TrainingInputError, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
 def shakespeare_raw():
-    path = DATA_DIR / "tinyshakespeare" / "input.txt"
+    path = Path(D.DEFAULT_TRAIN_FILE)
     return path, D.load_raw_text(train_file=str(path), val_fraction=0.1)
+
+
+def test_the_shipped_default_text_is_tiny_shakespeare():
+    """karpathy/char-rnn's input.txt byte for byte (the SHA-256 that ../shared/data/README.md lists)."""
+    digest = hashlib.sha256(Path(D.DEFAULT_TRAIN_FILE).read_bytes()).hexdigest()
+    assert digest == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
 def test_split_matches_nanogpt_prepare(shakespeare_raw):
@@ -134,7 +140,8 @@ def test_config_unknown_keys_name_the_valid_ones(tmp_path):
 
 
 def test_all_presets_parse_and_build():
-    """Every preset is valid; the 125m preset is ~125M parameters (meta device: no memory)."""
+    """Every preset is valid and names no local file (they run anywhere: the shipped text, or a Hub dataset); the
+    125m preset is ~125M parameters (meta device: no memory)."""
     import torch
 
     from bilinear_lm.baselines import build_model, count_parameters
@@ -143,6 +150,7 @@ def test_all_presets_parse_and_build():
     assert {p.stem for p in presets} >= {"tiny", "shakespeare-char", "tinystories", "125m"}
     for p in presets:
         cfg = parse_config(["--config", str(p)])
+        assert cfg.data.train_file is None and cfg.data.validation_file is None, p.stem
         with torch.device("meta"):
             n = count_parameters(build_model("bilinear", cfg.model, vocab_size=50257 if p.stem == "125m" else 4096))
         if p.stem == "125m":

@@ -1,4 +1,5 @@
-"""train.py end to end (as a subprocess, like a user runs it), kill+resume, 2-rank CPU DDP, baselines, errors.
+"""train.py end to end (as a subprocess, like a user runs it), kill+resume, 2-rank CPU DDP, baselines, errors, the
+shipped default text.
 
 The runs use a 40k-character slice of Tiny Shakespeare and a ~20k-parameter bilinear model so that the
 whole file stays well under a minute and a half on 2 shared cores.
@@ -15,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bilinear_lm.training import DataError, TrainingInputError, parse_config, read_metrics
+from bilinear_lm.training import DEFAULT_TRAIN_FILE, DataError, TrainingInputError, parse_config, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SHAKESPEARE = Path(DEFAULT_TRAIN_FILE)  # the Tiny Shakespeare text shipped with the package
 PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
 MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 30, 5, 10
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -26,6 +27,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS
 
 
 def tiny_args(train_file, out_dir, **overrides):
+    """train.py's arguments for a tiny run of the shakespeare-char preset (train_file None: the preset's data)."""
     args = {
         "train_file": train_file, "output_dir": out_dir, "max_steps": MAX_STEPS, "block_size": 32,
         "batch_size": 4, "warmup_steps": 5, "log_interval": 1, "eval_interval": EVAL_EVERY, "eval_iters": 0,
@@ -33,7 +35,7 @@ def tiny_args(train_file, out_dir, **overrides):
         "model.hidden_size": 32, "model.num_hidden_layers": 2, "model.num_heads": 2, "model.state_size": 8,
         "model.rank": 8, "model.norm_chunk_size": 4, **overrides,
     }
-    return ["--config", PRESET] + [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    return ["--config", PRESET] + [x for k, v in args.items() if v is not None for x in (f"--{k}", str(v))]
 
 
 def losses(records, key="loss"):
@@ -242,6 +244,7 @@ def test_lstm_trains_saves_reloads_and_generates_through_train_py(small_text, tm
     ({"model.conv_width": 1}, "conv_width must be 0"),
     ({"model.vocab_size": 10}, "--model.vocab_size 10 is smaller than the tokenizer"),
     ({"eval_lm_harness": "lambada_openai"}, "--eval_lm_harness needs a tokenizer with an EOS token"),
+    ({"add_eos": "true"}, r"EOS after every row \(--add_eos true.*\) needs a tokenizer with an EOS token"),
     ({"tokenizer": "GAPPED"}, r"token id 67 in the train data is outside the model's vocabulary of 58 ids .*"
                               r"pass --model.vocab_size 68"),
 ])
@@ -266,6 +269,20 @@ def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
     with pytest.raises((TrainingInputError, DataError), match=message):
         train.main(args)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys, monkeypatch):
+    """No --dataset or --train_file (the presets name no local file): train.py trains, offline, on the Tiny
+    Shakespeare text shipped with the package, its last 10% held out (nanoGPT's split)."""
+    import train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    final = train.main(tiny_args(None, tmp_path / "out", max_steps=2, eval_interval=2, eval_iters=2, save_interval=0,
+                                 sample_tokens=0))
+    assert final["step"] == 2
+    text = SHAKESPEARE.read_text()
+    cut = int(len(text) * 0.9)  # one token per character (the preset's char tokenizer)
+    assert f"vocab 65, {cut // 32} train / {(len(text) - cut) // 32} val blocks of 32" in capsys.readouterr().out
 
 
 def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatch):

@@ -94,6 +94,26 @@ def test_help_lists_every_key_and_every_model_key_with_its_type(capsys):
         assert re.search(pattern, out), pattern
 
 
+def test_eos_follows_every_document_of_a_dataset_but_not_every_line_of_a_txt_file(tmp_path):
+    """--add_eos by default: on for --dataset (a Hub dataset, here a local folder of one) and .jsonl rows, which are
+    documents; off for a .txt file, whose rows are its lines; --add_eos true puts it after every line too."""
+    import train
+
+    docs = [f"story number {i}, once upon a time. " * 8 for i in range(12)]
+    (tmp_path / "stories").mkdir()
+    (tmp_path / "stories" / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "lines.txt").write_text("".join(d + "\n" for d in docs))
+    for data_args, documents in (([f"--dataset={tmp_path / 'stories'}"], True),
+                                 ([f"--train_file={tmp_path / 'lines.txt'}"], False),
+                                 ([f"--train_file={tmp_path / 'lines.txt'}", "--add_eos=true"], True)):
+        cfg = parse_config([*data_args, "--bpe_vocab_size=300", "--block_size=16", "--batch_size=1",
+                            f"--output_dir={tmp_path / 'out'}"])
+        data = train.load_data(cfg, SimpleNamespace(is_main_process=True, num_processes=1), None)
+        ids = torch.cat([data.blocks[split][:]["input_ids"].flatten() for split in ("train", "validation")])
+        eos = (ids == data.tokenizer.eos_token_id).sum().item()
+        assert eos >= len(docs) - 2 if documents else eos == 0, (data_args, eos)  # the packing drops partial tails
+
+
 # ------------------------------------------------------------------------------------- optimizer groups
 def _group_names(model, groups):
     names = {id(p): n for n, p in model.named_parameters()}

@@ -40,13 +40,16 @@ class DataConfig:
 
     _argument_group_name = "data"
 
-    dataset: str | None = HfArg(default=None, help="Hub dataset, e.g. wikitext")
+    dataset: str | None = HfArg(default=None, help="Hub dataset, e.g. roneneldan/TinyStories (its rows are "
+                                "documents); with neither this nor --train_file, the Tiny Shakespeare text shipped "
+                                "with the package")
     dataset_config: str | None = HfArg(default=None, help="the Hub dataset's configuration")
     train_file: str | None = HfArg(default=None, help="a local .txt or .jsonl file; wins over --dataset")
     validation_file: str | None = HfArg(default=None, help="default: the last --val_fraction of the training text")
     text_column: str = HfArg(default="text", help="the text field of .jsonl / Hub rows")
     val_fraction: float = HfArg(default=0.1, help="held-out tail when there is no validation split")
-    add_eos: bool | None = HfArg(default=None, help="append EOS after every row; default: for .jsonl files only")
+    add_eos: bool | None = HfArg(default=None, help="append EOS after every row; default: for .jsonl files and Hub "
+                                 "datasets (rows are documents), not for .txt files (lines)")
     tokenizer: str = HfArg(default="bpe", help="bpe (a byte-level BPE trained on the training text), char, or a Hub "
                            "name / local directory")
     bpe_vocab_size: int = HfArg(default=8192, help="vocabulary of the trained BPE")
