@@ -1,488 +1,139 @@
-"""Train a bilinear recurrent LM (or a parameter-matched Llama / Mamba baseline) with Accelerate.
+"""Train a bilinear recurrent LM (or a parameter-matched Llama / Mamba / LSTM baseline) with Accelerate.
 
-    accelerate launch train.py --config bilinear_lm/configs/tiny.yaml [--key value ...] [--model.key value ...]
+    accelerate launch train.py --config bilinear_lm/configs/tiny.yaml [--KEY VALUE ...] [--model.KEY VALUE ...]
 
 Single process, N GPUs (`accelerate launch --multi_gpu --num_processes N`), CPU DDP
 (`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2`) and FSDP
 (`accelerate launch --config_file bilinear_lm/configs/accelerate/fsdp.yaml`) all run this same file.
+`python train.py --help` lists every key; the parts live in `bilinear_lm.training`.
 
-Reads top to bottom: config -> checkpoints and the TrainState they carry -> metrics -> processes (all ranks fail
-together; the bf16-on-CPU check) -> data -> model and optimizer -> the training loop (log, evaluate, checkpoint)
--> finish (save, plot, sample, lm-eval) -> main, which calls them in that order -> the command line.
+Reads top to bottom: data -> model and optimizer -> the training loop (log, evaluate, checkpoint) -> finish (save,
+plot, sample, lm-eval) -> main, which calls them in that order -> the command line.
 """
-from __future__ import annotations
-
 import json
 import math
-import os
-import shutil
 import sys
 import time
-import types
-import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
+import pyarrow.compute as pc
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from datasets import DatasetDict, concatenate_datasets
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
-
-class TrainingInputError(ValueError):
-    """Unusable user input to train.py (config keys and values, checkpoint paths, data that does not fit the model);
-    the message says what to pass instead. The command line prints it as one line; anything else is a bug and keeps
-    its traceback. (Data-pipeline problems raise `bilinear_lm.data.DataError`, printed the same way.)"""
-
-
-# ------------------------------------------------------------------------------------------------ config
-# Every training key, its default and its type. A preset (YAML) overrides these; the command line overrides
-# the preset. `model:` holds BilinearConfig fields (vocab_size defaults to len(tokenizer)).
-DEFAULTS: dict[str, tuple[object, type]] = {
-    # data
-    "dataset": ("wikitext", str),           # hub dataset name; ignored when train_file is set ("none" = no hub)
-    "dataset_config": ("wikitext-2-raw-v1", str),
-    "train_file": (None, str),              # local .txt / .jsonl
-    "validation_file": (None, str),
-    "text_column": ("text", str),
-    "val_fraction": (0.1, float),           # held-out tail when there is no validation split
-    "add_eos": (None, bool),                # append EOS after every row; default: True for .jsonl files only
-    "tokenizer": (None, str),               # None -> train byte-level BPE; "char"; or hub name / local dir
-    "bpe_vocab_size": (8192, int),
-    "block_size": (256, int),
-    # optimization
-    "model_type": ("bilinear", str),        # bilinear | llama | mamba | lstm
-    "batch_size": (16, int),                # per process, per micro-step
-    "gradient_accumulation_steps": (1, int),
-    "max_steps": (1000, int),
-    "learning_rate": (1e-3, float),
-    "min_lr_ratio": (0.1, float),           # cosine decays to learning_rate * min_lr_ratio
-    "warmup_steps": (100, int),
-    "weight_decay": (0.1, float),           # on matrices only (the model's optimizer_groups): not norms, biases, h0
-    "beta1": (0.9, float),
-    "beta2": (0.95, float),
-    "grad_clip": (1.0, float),              # 0 disables
-    "mixed_precision": ("no", str),         # no | bf16 | fp16
-    "seed": (1337, int),
-    # logging / evaluation / checkpoints
-    "output_dir": ("out", str),
-    "log_interval": (10, int),
-    "eval_interval": (200, int),
-    "eval_iters": (50, int),                # validation batches per evaluation (0 = the whole split)
-    "save_interval": (500, int),            # 0 = only the final save_pretrained
-    "resume_from_checkpoint": (None, str),  # latest | PATH
-    "report_to": ("none", str),             # none | tensorboard | wandb | ... (Accelerate trackers)
-    "sample_tokens": (200, int),            # generated at the end (0 = skip)
-    "sample_prompt": (None, str),           # default: the start of the validation text
-    "eval_lm_harness": (None, str),         # comma-separated lm-eval tasks run on the final model
-    "lm_harness_limit": (None, int),
-    "num_workers": (0, int),
-    "log_shard_checksums": (False, bool),   # record per-rank batch checksums (DDP sanity check)
-}
-MODEL_KEY = "model"
-
-
-def _coerce(key: str, value, typ):
-    """Turn a CLI string (or YAML value) into `typ`; None/'none'/'null' is allowed for every key."""
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-        return None
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise TrainingInputError(f"--{key}: expected true/false, got {value!r}")
-    if typ is object:  # model key without a simple type (e.g. eos_token_id: int or list): parse like YAML
-        return yaml.safe_load(value) if isinstance(value, str) else value
-    try:
-        if isinstance(value, bool) and typ is not str:
-            raise ValueError
-        if typ is int and (isinstance(value, float) or (isinstance(value, str) and any(c in value for c in ".eE"))):
-            as_float = float(value)
-            if as_float != int(as_float):
-                raise ValueError
-            return int(as_float)
-        return typ(value)
-    except (TypeError, ValueError):
-        raise TrainingInputError(f"--{key}: expected {typ.__name__}, got {value!r}") from None
-
-
-def _simple_type(annotation) -> type:
-    """bool / int / float / str for an annotation such as `int` or `int | None`; `object` for anything else."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        annotation = args[0] if len(args) == 1 else object
-    return annotation if annotation in (bool, int, float, str) else object
-
-
-def _model_key_types() -> dict[str, type]:
-    """Valid `model.*` keys and their types: the fields BilinearConfig declares (`vocab_size` is optional: by default
-    the tokenizer's length)."""
-    from bilinear_lm import BilinearConfig
-
-    return {name: _simple_type(annotation) for name, annotation in BilinearConfig.__annotations__.items()
-            if not name.startswith("_") and typing.get_origin(annotation) is not typing.ClassVar}
-
-
-def help_text() -> str:
-    from bilinear_lm import BilinearConfig
-
-    lines = [__doc__, "training keys (default):"]
-    lines += [f"  --{k:<28} {t.__name__:<6} {d!r}" for k, (d, t) in DEFAULTS.items()]
-    lines.append("model keys (BilinearConfig fields; the baselines take their depth and size from them):")
-    for k, t in _model_key_types().items():
-        default = "len(tokenizer)" if k == "vocab_size" else repr(getattr(BilinearConfig, k, None))
-        lines.append(f"  --{MODEL_KEY + '.' + k:<28} {'value' if t is object else t.__name__:<6} {default}")
-    return "\n".join(lines)
-
-
-def parse_config(argv: list[str]) -> dict:
-    """DEFAULTS <- YAML preset (--config) <- `--key value` / `--model.key value` overrides (raises
-    TrainingInputError for an unknown key or a value of the wrong type)."""
-    args = list(argv)
-    preset: dict = {}
-    if "--config" in args or any(a.startswith("--config=") for a in args):
-        i = next(i for i, a in enumerate(args) if a == "--config" or a.startswith("--config="))
-        path = args[i].split("=", 1)[1] if "=" in args[i] else (args[i + 1] if i + 1 < len(args) else None)
-        del args[i : i + (1 if "=" in args[i] else 2)]
-        if not path or not Path(path).is_file():
-            raise TrainingInputError(f"--config {path!r}: preset file not found (presets live in bilinear_lm/configs/)")
-        preset = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = [k for k in preset if k not in DEFAULTS and k != MODEL_KEY]
-    if unknown:
-        raise TrainingInputError(f"unknown key(s) {unknown} in the preset; valid keys: {sorted(DEFAULTS)} and model.*")
-
-    cfg = {k: _coerce(k, preset.get(k, d), t) for k, (d, t) in DEFAULTS.items()}
-    model_types = _model_key_types()
-    preset_model = dict(preset.get(MODEL_KEY) or {})
-    bad_model = [k for k in preset_model if k not in model_types]
-    if bad_model:
-        raise TrainingInputError(f"unknown model key(s) {bad_model} in the preset; valid model keys: "
-                                 f"{sorted(model_types)}")
-    model_cfg = {k: _coerce(f"{MODEL_KEY}.{k}", v, model_types[k]) for k, v in preset_model.items()}
-
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise TrainingInputError(f"unexpected argument {arg!r}: overrides look like --key value or "
-                                     f"--model.key value")
-        key, value = (arg[2:].split("=", 1) + [None])[:2]
-        if value is None:
-            if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value, i = args[i + 1], i + 1
-            else:
-                value = "true"  # bare flag
-        i += 1
-        if key.startswith(MODEL_KEY + "."):
-            name = key[len(MODEL_KEY) + 1 :]
-            if name not in model_types:
-                raise TrainingInputError(f"unknown model key {name!r}; valid model keys: {sorted(model_types)}")
-            model_cfg[name] = _coerce(key, value, model_types[name])
-        elif key in DEFAULTS:
-            cfg[key] = _coerce(key, value, DEFAULTS[key][1])
-        else:
-            raise TrainingInputError(
-                f"unknown config key {key!r}; valid keys: {sorted(DEFAULTS)} (and --model.<key> for "
-                f"{sorted(model_types)})"
-            )
-    cfg[MODEL_KEY] = model_cfg
-    if cfg["block_size"] is None or cfg["block_size"] < 1:
-        raise TrainingInputError(f"--block_size must be a positive integer, got {cfg['block_size']}")
-    from bilinear_lm.baselines import MODEL_TYPES
-
-    if cfg["model_type"] not in MODEL_TYPES:
-        raise TrainingInputError(f"--model_type must be one of {MODEL_TYPES}, got {cfg['model_type']!r}")
-    return cfg
-
-
-# ----------------------------------------------------------------------------------------- checkpoints
-DONE_MARKER = "CHECKPOINT_COMPLETE"
-
-
-@dataclass
-class TrainState:
-    """Where training stands: saved with every checkpoint (`trainer_state.json`) and restored on resume, so the step
-    count, the data order and the training clock continue where they stopped."""
-
-    step: int = 0               # optimizer steps done
-    epoch: int = 0              # pass over the training data in progress (0-based)
-    batches_done: int = 0       # micro-batches of this epoch consumed
-    train_seconds: float = 0.0  # wall-clock spent in training steps (not evaluation or checkpoints), over all resumes
-
-    @classmethod
-    def load(cls, checkpoint: Path) -> TrainState:
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})  # older ones lack train_seconds
-
-
-def find_checkpoint(output_dir: str, spec: str) -> Path | None:
-    """`latest` -> newest complete OUTPUT_DIR/checkpoints/step_N (None if there is none); else a path."""
-    if spec == "latest":
-        done = [p for p in (Path(output_dir) / "checkpoints").glob("step_*") if (p / DONE_MARKER).exists()]
-        return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-    path = Path(spec)
-    if not (path / DONE_MARKER).exists():
-        raise TrainingInputError(f"--resume_from_checkpoint {spec!r}: not a complete checkpoint directory "
-                                 f"(expected {path / DONE_MARKER}); use 'latest' or OUTPUT_DIR/checkpoints/step_N")
-    return path
-
-
-def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer) -> None:
-    """accelerator.save_state into a temporary directory, marker written last, then an atomic rename."""
-    final = Path(output_dir) / "checkpoints" / f"step_{state.step}"
-    tmp = final.with_name(f".tmp_step_{state.step}")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
-        with open(tmp / DONE_MARKER, "w") as f:
-            f.write(f"{state.step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
-
-
-# ----------------------------------------------------------------------------------------------- metrics
-def append_metrics(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-class MetricsLog:
-    """OUTPUT_DIR/metrics.jsonl (one JSON record per line, written by the main process) and the Accelerate
-    trackers (`--report_to`)."""
-
-    def __init__(self, accelerator, path: Path):
-        self.accelerator, self.path = accelerator, path
-
-    def start(self, resumed_at: int | None) -> None:
-        """A fresh run starts an empty file; a resumed one drops the records past its checkpoint's step."""
-        if not self.accelerator.is_main_process or not self.path.exists():
-            return
-        if resumed_at is None:
-            self.path.unlink()
-            return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_at]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
-
-    def log(self, record: dict) -> None:
-        if self.accelerator.is_main_process:
-            append_metrics(self.path, record)
-        self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
-                             step=record["step"])
-
-
-def plot_losses(metrics_path: Path, png_path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train", lw=1)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------ processes
-def fail_together(accelerator, error: BaseException | None, what: str) -> None:
-    """Called by every rank after a section that can fail on some ranks only: if it failed anywhere, every rank
-    raises (a failed rank its own error) instead of leaving the others waiting in the next collective forever.
-    One gather of a flag; nothing to exchange in a single process."""
-    failed = [0] if error is not None else []
-    if accelerator.num_processes > 1:
-        import torch
-
-        flags = accelerator.gather(torch.tensor([int(error is not None)], device=accelerator.device))
-        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
-    if error is not None:
-        raise error
-    if failed:
-        raise TrainingInputError(f"{what} failed on process {', '.join(map(str, failed))} (its error is printed "
-                                 f"above); stopping process {accelerator.process_index} too")
-
-
-def together(accelerator, fn, what: str, main_first: bool = False):
-    """``fn()`` on every rank (the main process first, the others after it succeeded, with ``main_first``: e.g. it
-    writes files the others read). If it raises on any rank, it raises on every rank (`fail_together`)."""
-    result, error = None, None
-    if main_first:  # every rank takes part in both exchanges: collectives must match across ranks
-        if accelerator.is_main_process:
-            try:
-                result = fn()
-            except Exception as err:  # noqa: BLE001 - re-raised by fail_together on this rank
-                error = err
-        fail_together(accelerator, error, what)
-    if not (main_first and accelerator.is_main_process):
-        try:
-            result = fn()
-        except Exception as err:  # noqa: BLE001 - re-raised by fail_together on this rank
-            error = err
-    fail_together(accelerator, error, what)
-    return result
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, ARM BF16), from the kernel's CPU flags.
-    Without flags to read: False when oneDNN has no bf16 path at all (`torch.ops.mkldnn._is_mkldnn_bf16_supported`),
-    else None (unknown). oneDNN's check alone cannot say: it is True on any AVX512 CPU, where bf16 is emulated."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        text = ""
-    flags = set()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    if flags:
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    import torch
-
-    try:
-        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return None
-    return False if not supported else None
-
-
-def bf16_cpu_warning(mixed_precision: str | None, device_type: str) -> str | None:
-    """The startup warning for bf16 autocast on a CPU without native bf16 (None when there is nothing to say)."""
-    if mixed_precision != "bf16" or device_type != "cpu" or cpu_has_native_bf16() is not False:
-        return None
-    return ("WARNING: --mixed_precision bf16 on a CPU without native bf16 (no avx512_bf16 / amx_bf16 CPU flag): bf16 "
-            "is emulated there and training runs about 14x slower than in fp32 (measured on a 2-core AVX2 CPU). "
-            "Use --mixed_precision no on this machine.")
+from bilinear_lm.baselines import bilinear_config, build_model, count_parameters, optimizer_groups
+from bilinear_lm.modeling.dispatch import build_kernels
+from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
+from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
+                                  append_metrics, bf16_cpu_warning, build_tokenizer, find_checkpoint, load_raw_text,
+                                  params_identical_across_ranks, parse_config, plot_losses, save_checkpoint,
+                                  together, tokenize_and_pack)
+from bilinear_lm.utils import eval_mode
 
 
 # -------------------------------------------------------------------------------------------------- data
 @dataclass
 class Data:
-    raw: object        # DatasetDict of text: train, validation
-    tokenizer: object  # PreTrainedTokenizerFast, saved next to every checkpoint and the final model
-    blocks: object     # DatasetDict of packed blocks: input_ids, labels
-    train_dl: object
-    val_dl: object
+    """The text, its tokenizer, the packed blocks and their loaders (not yet `accelerator.prepare`d)."""
+
+    raw: DatasetDict     # text: train, validation
+    tokenizer: object    # PreTrainedTokenizerFast, saved next to every checkpoint and the final model
+    blocks: DatasetDict  # packed blocks: input_ids, labels
+    train_dl: DataLoader
+    val_dl: DataLoader
 
 
-def load_data(cfg: dict, accelerator, resume: Path | None) -> Data:
-    """Text -> tokenizer (built once by the main process; every rank loads the same files) -> packed blocks."""
-    from datasets import concatenate_datasets
-    from torch.utils.data import DataLoader
-    from transformers import AutoTokenizer
-
-    from bilinear_lm.data import build_tokenizer, load_raw_text, tokenize_and_pack
-
-    raw = load_raw_text(
-        dataset=None if cfg["train_file"] or cfg["dataset"] in (None, "none") else cfg["dataset"],
-        dataset_config=cfg["dataset_config"], train_file=cfg["train_file"],
-        validation_file=cfg["validation_file"], text_column=cfg["text_column"], val_fraction=cfg["val_fraction"],
-    )
-    tok_dir = (resume / "tokenizer") if resume else (Path(cfg["output_dir"]) / "tokenizer")
+def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
+    """Text (`--train_file`, else `--dataset`, else the Tiny Shakespeare text shipped with the package) -> tokenizer
+    (built once by the main process; every rank loads the same files) -> packed blocks and their loaders."""
+    train_file = cfg.data.train_file or (None if cfg.data.dataset else DEFAULT_TRAIN_FILE)
+    raw = load_raw_text(dataset=None if train_file else cfg.data.dataset, dataset_config=cfg.data.dataset_config,
+                        train_file=train_file, validation_file=cfg.data.validation_file,
+                        text_column=cfg.data.text_column, val_fraction=cfg.data.val_fraction)
+    tok_dir = (resume / "tokenizer") if resume else (Path(cfg.train.output_dir) / "tokenizer")
 
     def tokenizer_files():
         if resume is None and accelerator.is_main_process:
             # a char vocabulary covers every split (like nanoGPT); a BPE is trained on the training text only
-            tok_text = concatenate_datasets(list(raw.values())) if cfg["tokenizer"] == "char" else raw["train"]
-            build_tokenizer(cfg["tokenizer"], tok_text, cfg["bpe_vocab_size"]).save_pretrained(tok_dir)
+            tok_text = concatenate_datasets(list(raw.values())) if cfg.data.tokenizer == "char" else raw["train"]
+            build_tokenizer(cfg.data.tokenizer, tok_text, cfg.data.bpe_vocab_size).save_pretrained(tok_dir)
         return AutoTokenizer.from_pretrained(tok_dir)
 
     tokenizer = together(accelerator, tokenizer_files, "building the tokenizer", main_first=True)
-    add_eos = cfg["add_eos"]
-    if add_eos is None:  # rows are documents for .jsonl / hub data (wikitext lines keep their "\n")
-        add_eos = bool(cfg["train_file"] and Path(cfg["train_file"]).suffix.lower() in (".jsonl", ".json"))
+    add_eos = cfg.data.add_eos
+    if add_eos is None:  # rows are documents in .jsonl files and Hub datasets, lines (that keep their "\n") in .txt
+        add_eos = train_file is None or Path(train_file).suffix.lower() in (".jsonl", ".json")
     if add_eos and tokenizer.eos_token_id is None:
-        raise TrainingInputError("--add_eos true needs a tokenizer with an EOS token (the char tokenizer has none)")
-    if cfg["eval_lm_harness"] and tokenizer.eos_token_id is None:
+        raise TrainingInputError("EOS after every row (--add_eos true, the default for .jsonl files and Hub datasets) "
+                                 "needs a tokenizer with an EOS token (the char tokenizer has none): pass --add_eos "
+                                 "false or another --tokenizer")
+    if cfg.train.eval_lm_harness and tokenizer.eos_token_id is None:
         raise TrainingInputError("--eval_lm_harness needs a tokenizer with an EOS token (lm-eval uses it as the "
                                  "end-of-text token; the char tokenizer has none): omit --tokenizer char")
-    blocks = together(accelerator, lambda: tokenize_and_pack(raw, tokenizer, cfg["block_size"], add_eos=add_eos),
+    blocks = together(accelerator, lambda: tokenize_and_pack(raw, tokenizer, cfg.data.block_size, add_eos=add_eos),
                       "tokenizing the data", main_first=True).with_format("torch")
-    train_dl = DataLoader(blocks["train"], batch_size=cfg["batch_size"], shuffle=True, drop_last=True,
-                          num_workers=cfg["num_workers"])
-    val_dl = DataLoader(blocks["validation"], batch_size=cfg["batch_size"], shuffle=False,
-                        num_workers=cfg["num_workers"])
+    batch_size, workers = cfg.train.batch_size, cfg.data.num_workers
+    train_dl = DataLoader(blocks["train"], batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers)
+    val_dl = DataLoader(blocks["validation"], batch_size=batch_size, shuffle=False, num_workers=workers)
     if len(train_dl) == 0:
         raise TrainingInputError(
-            f"only {len(blocks['train'])} training blocks of {cfg['block_size']} tokens: fewer than --batch_size "
-            f"{cfg['batch_size']}; lower batch_size/block_size or add data")
+            f"only {len(blocks['train'])} training blocks of {cfg.data.block_size} tokens: fewer than --batch_size "
+            f"{batch_size}; lower batch_size/block_size or add data")
     return Data(raw, tokenizer, blocks, train_dl, val_dl)
 
 
-def check_token_ids(blocks, vocab_size: int) -> None:
+def check_token_ids(blocks: DatasetDict, vocab_size: int) -> None:
     """Every token id of the packed data must have an embedding: a clear error before training instead of
     torch's `IndexError: index out of range in self` (or a silent wrong lookup on a GPU)."""
-    import pyarrow.compute as pc
-
     for split, ds in blocks.items():
-        high = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py()
-        if high is not None and high >= vocab_size:
-            raise TrainingInputError(
-                f"token id {high} in the {split} data is outside the model's vocabulary of {vocab_size} ids (the "
-                f"tokenizer produces ids its length does not count, or --model.vocab_size is too small): pass "
-                f"--model.vocab_size {high + 1} (or more), or a tokenizer whose ids are below len(tokenizer)")
+        high = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py()  # without materializing the ids
+        try:
+            check_vocabulary(torch.tensor([0 if high is None else high]), vocab_size, where=f"in the {split} data",
+                            fix=f"the tokenizer produces ids its length does not count, or --model.vocab_size is too "
+                                f"small: pass --model.vocab_size {high + 1} (or more), or a tokenizer whose ids are "
+                                f"below len(tokenizer)")
+        except ValueError as error:
+            raise TrainingInputError(str(error)) from None
 
 
 # ------------------------------------------------------------------------------------ model + optimizer
-def build_model_and_optimizer(cfg: dict, accelerator, tokenizer):
-    """The model (`--model_type`, sized by `model.*`), AdamW on the model's own parameter groups and the
+def build_model_and_optimizer(cfg: Config, accelerator, tokenizer):
+    """The model (`--model_type`, sized by `--model.*`), AdamW on the model's own parameter groups and the
     warmup + cosine schedule; not yet `accelerator.prepare`d."""
-    import torch
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-    from bilinear_lm.baselines import bilinear_config, build_model, optimizer_groups
-
     special = {k: getattr(tokenizer, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
-    model_cfg = {**cfg[MODEL_KEY]}
+    model_cfg = dict(cfg.model)
     vocab_size = model_cfg.pop("vocab_size", None) or len(tokenizer)
     if vocab_size < len(tokenizer):
         raise TrainingInputError(f"--model.vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} "
                                  f"tokens): omit it (default len(tokenizer)) or pass at least {len(tokenizer)}")
-    if cfg["model_type"] == "bilinear":
+    if cfg.train.model_type == "bilinear":
         model_cfg.update({k: v for k, v in special.items() if v is not None})
     try:  # the baselines are sized from the bilinear config, so it must be valid for every model type
         bilinear_config(model_cfg, vocab_size)
     except (TypeError, ValueError) as err:
         raise TrainingInputError(f"--model.*: {err}") from None
-    model = build_model(cfg["model_type"], model_cfg, vocab_size=vocab_size)
+    model = build_model(cfg.train.model_type, model_cfg, vocab_size=vocab_size)
     for k, v in special.items():
         setattr(model.config, k, v)
         setattr(model.generation_config, k, v)
-    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg["weight_decay"]),
-                                  lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
+    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.train.weight_decay), lr=cfg.train.learning_rate,
+                                  betas=(cfg.train.beta1, cfg.train.beta2))
     # the prepared scheduler steps once per process per optimizer step (Accelerate convention)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=cfg["warmup_steps"] * accelerator.num_processes,
-        num_training_steps=cfg["max_steps"] * accelerator.num_processes, min_lr_rate=cfg["min_lr_ratio"],
+        optimizer, num_warmup_steps=cfg.train.warmup_steps * accelerator.num_processes,
+        num_training_steps=cfg.train.max_steps * accelerator.num_processes, min_lr_rate=cfg.train.min_lr_ratio,
     )
     return model, optimizer, scheduler
 
 
 # ------------------------------------------------------------------------------------------------- loop
-def evaluate(model, val_dl, accelerator, eval_iters: int | None) -> dict:
+def evaluate(model, val_dl, accelerator, eval_iters: int) -> dict:
     """Mean validation loss (over ranks and the first `eval_iters` batches, 0 = all) and its perplexity."""
-    import torch
-
-    from bilinear_lm.utils import eval_mode
-
     losses = []
     with torch.no_grad(), eval_mode(model):
         for i, batch in enumerate(val_dl):
@@ -506,105 +157,87 @@ def micro_batches(accelerator, train_dl, state: TrainState):
         state.epoch, state.batches_done = state.epoch + 1, 0
 
 
-def train(cfg: dict, accelerator, model, optimizer, scheduler, data: Data, state: TrainState,
+def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, state: TrainState,
           metrics: MetricsLog) -> None:
     """Optimizer steps until `max_steps`: log every `log_interval`, evaluate every `eval_interval`, checkpoint
     every `save_interval` steps. Updates `state` in place."""
-    from tqdm.auto import tqdm
-
-    if state.step >= cfg["max_steps"]:
+    if state.step >= cfg.train.max_steps:
         return
-    tokens_per_step = (cfg["batch_size"] * cfg["block_size"] * cfg["gradient_accumulation_steps"]
-                       * accelerator.num_processes)
-    pbar = tqdm(total=cfg["max_steps"], initial=state.step, disable=not accelerator.is_local_main_process,
+    tokens_per_step = (cfg.train.batch_size * cfg.train.gradient_accumulation_steps * accelerator.num_processes
+                       * cfg.data.block_size)
+    pbar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_local_main_process,
                 desc="train", dynamic_ncols=True)
     model.train()
     logged_step, logged_seconds = state.step, state.train_seconds  # where the throughput of the next log starts
-    micro_losses, shard_sums = [], None  # this optimizer step's micro-batch losses; its first batch's checksums
+    micro_losses = []  # this optimizer step's micro-batch losses
     t_mark = time.time()
     for batch in micro_batches(accelerator, data.train_dl, state):
         lr = scheduler.get_last_lr()[0]  # the learning rate this step uses
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
-            if accelerator.sync_gradients and cfg["grad_clip"]:
-                accelerator.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+            if accelerator.sync_gradients and cfg.train.grad_clip:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         micro_losses.append(loss.detach().float())
-        if cfg["log_shard_checksums"] and len(micro_losses) == 1:
-            shard_sums = accelerator.gather(batch["input_ids"].sum().reshape(1)).tolist()
         if not accelerator.sync_gradients:
             continue
 
         state.step += 1
         state.train_seconds += time.time() - t_mark
         pbar.update(1)
-        if state.step % cfg["log_interval"] == 0 or state.step == cfg["max_steps"]:
+        last = state.step == cfg.train.max_steps
+        if state.step % cfg.train.log_interval == 0 or last:
             train_loss = accelerator.reduce(sum(micro_losses) / len(micro_losses), reduction="mean").item()
             tokens_per_sec = (tokens_per_step * (state.step - logged_step)
                               / max(state.train_seconds - logged_seconds, 1e-9))
-            record = {"step": state.step, "loss": train_loss, "lr": lr, "train_seconds": state.train_seconds,
-                      "tokens_per_sec": tokens_per_sec, "epoch": state.epoch}
-            if cfg["log_shard_checksums"]:
-                record["shard_checksums"] = shard_sums
-            metrics.log(record)
+            metrics.log({"step": state.step, "loss": train_loss, "lr": lr, "train_seconds": state.train_seconds,
+                         "tokens_per_sec": tokens_per_sec, "epoch": state.epoch})
             pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_sec:.0f}")
             logged_step, logged_seconds = state.step, state.train_seconds
         micro_losses = []
 
-        if cfg["eval_interval"] and (state.step % cfg["eval_interval"] == 0 or state.step == cfg["max_steps"]):
+        if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
             record = {"step": state.step, "train_seconds": state.train_seconds,
-                      **evaluate(model, data.val_dl, accelerator, cfg["eval_iters"])}
+                      **evaluate(model, data.val_dl, accelerator, cfg.train.eval_iters)}
             metrics.log(record)
             if accelerator.is_local_main_process:
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
-        if cfg["save_interval"] and state.step % cfg["save_interval"] == 0:
-            save_checkpoint(accelerator, cfg["output_dir"], state, data.tokenizer)
+        if cfg.train.save_interval and state.step % cfg.train.save_interval == 0:
+            save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer)
         t_mark = time.time()  # evaluation and checkpoint time is not training time
-        if state.step >= cfg["max_steps"]:
+        if last:
             break
     pbar.close()
 
 
 # ----------------------------------------------------------------------------------------------- finish
-def params_identical_across_ranks(accelerator, model) -> bool | None:
-    """DDP sanity check: every rank holds identical parameters (None under FSDP: they are sharded)."""
-    import torch
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return None
-    checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).reshape(1, -1)
-    all_checksums = accelerator.gather(checksum)
-    return bool((all_checksums == all_checksums[0]).all().item())
-
-
-def print_sample(cfg: dict, model, tokenizer, raw, device) -> None:
-    import torch
-
-    prompt = cfg["sample_prompt"] or raw["validation"][0]["text"][:32] or "\n"
+def print_sample(cfg: Config, model, tokenizer, raw: DatasetDict, device) -> None:
+    """`sample_tokens` sampled tokens (top-k 50) after `sample_prompt`, else the start of the validation text."""
+    prompt = cfg.train.sample_prompt or raw["validation"][0]["text"][:32] or "\n"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     model.eval()
     with torch.no_grad():
-        gen = model.generate(ids, max_new_tokens=cfg["sample_tokens"], do_sample=True, top_k=50,
+        gen = model.generate(ids, max_new_tokens=cfg.train.sample_tokens, do_sample=True, top_k=50,
                              pad_token_id=tokenizer.pad_token_id)
-    print(f"--- sample ({cfg['sample_tokens']} tokens after the prompt {prompt!r}) ---")
+    print(f"--- sample ({cfg.train.sample_tokens} tokens after the prompt {prompt!r}) ---")
     print(tokenizer.decode(gen[0], skip_special_tokens=True))
     print("---")
 
 
-def run_harness(cfg: dict, model, tokenizer, out_dir: Path) -> None:
-    from bilinear_lm.lm_harness import run_lm_eval  # imported here: lm-eval is needed only with --eval_lm_harness
+def run_harness(cfg: Config, model, tokenizer, out_dir: Path) -> None:
+    """lm-eval-harness on the final model (`--eval_lm_harness` tasks), written to OUTPUT_DIR/lm_harness.json."""
+    from bilinear_lm.evaluation.harness import run_lm_eval  # imported here: lm-eval is needed only with --eval_lm_harness
 
-    tasks = [t.strip() for t in cfg["eval_lm_harness"].split(",") if t.strip()]
-    results = run_lm_eval(model, tokenizer, tasks, limit=cfg["lm_harness_limit"])  # {task: {metric: value}}
+    tasks = [t.strip() for t in cfg.train.eval_lm_harness.split(",") if t.strip()]
+    results = run_lm_eval(model, tokenizer, tasks, limit=cfg.train.lm_harness_limit)  # {task: {metric: value}}
     (out_dir / "lm_harness.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"lm-eval-harness results written to {out_dir / 'lm_harness.json'}")
 
 
-def finish(cfg: dict, accelerator, model, data: Data, state: TrainState, metrics: MetricsLog, n_params: int) -> dict:
+def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metrics: MetricsLog, n_params: int) -> dict:
     """save_pretrained (model, tokenizer, generation config), the final metrics record, loss.png, a sample and
     lm-eval; returns the final record."""
     unwrapped = accelerator.unwrap_model(model)
@@ -613,16 +246,16 @@ def finish(cfg: dict, accelerator, model, data: Data, state: TrainState, metrics
              "num_processes": accelerator.num_processes, "n_params": n_params}
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
-    out_dir = Path(cfg["output_dir"])
+    out_dir = Path(cfg.train.output_dir)
     if accelerator.is_main_process:
         unwrapped.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
         data.tokenizer.save_pretrained(out_dir)
         unwrapped.generation_config.save_pretrained(out_dir)
         append_metrics(metrics.path, final)
         plot_losses(metrics.path, out_dir / "loss.png")
-        if cfg["sample_tokens"]:
+        if cfg.train.sample_tokens:
             print_sample(cfg, unwrapped, data.tokenizer, data.raw, accelerator.device)
-        if cfg["eval_lm_harness"]:
+        if cfg.train.eval_lm_harness:
             run_harness(cfg, unwrapped, data.tokenizer, out_dir)
         print(f"saved model, tokenizer and generation config to {out_dir}")
     accelerator.end_training()
@@ -630,37 +263,31 @@ def finish(cfg: dict, accelerator, model, data: Data, state: TrainState, metrics
 
 
 # ------------------------------------------------------------------------------------------------- main
-def flat_config(cfg: dict) -> dict:
+def flat_config(cfg: Config) -> dict:
     """The config as tracker hyperparameters: scalars as they are, `model.KEY` for the model keys."""
-    scalar = lambda v: v if isinstance(v, (int, float, str, bool)) else str(v)  # noqa: E731
-    return {**{k: scalar(v) for k, v in cfg.items() if k != MODEL_KEY},
-            **{f"{MODEL_KEY}.{k}": scalar(v) for k, v in cfg[MODEL_KEY].items()}}
+    flat = {**asdict(cfg.data), **asdict(cfg.train), **{f"model.{k}": v for k, v in cfg.model.items()}}
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured by ``argv`` (the command line's arguments); returns the final metrics record.
-    Bad input raises TrainingInputError or bilinear_lm.data.DataError."""
+    Bad input raises TrainingInputError or DataError."""
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
-
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
-
-    from bilinear_lm.baselines import count_parameters
-
-    out_dir = Path(cfg["output_dir"])
+    out_dir = Path(cfg.train.output_dir)
     accelerator = Accelerator(
-        gradient_accumulation_steps=cfg["gradient_accumulation_steps"],
-        mixed_precision=cfg["mixed_precision"],
-        log_with=None if cfg["report_to"] in (None, "none") else cfg["report_to"],
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=None if cfg.train.report_to == "none" else cfg.train.report_to,
         project_dir=str(out_dir),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg["seed"]),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
     )
-    warning = bf16_cpu_warning(cfg["mixed_precision"], accelerator.device.type)
+    warning = bf16_cpu_warning(cfg.train.mixed_precision, accelerator.device.type)
     if warning:
         accelerator.print(warning)
-    set_seed(cfg["seed"])
-    resume = find_checkpoint(cfg["output_dir"], cfg["resume_from_checkpoint"]) if cfg["resume_from_checkpoint"] else None
-    if cfg["resume_from_checkpoint"] == "latest" and resume is None:
+    set_seed(cfg.train.seed)
+    resume_spec = cfg.train.resume_from_checkpoint
+    resume = find_checkpoint(cfg.train.output_dir, resume_spec) if resume_spec else None
+    if resume_spec == "latest" and resume is None:
         accelerator.print(f"no complete checkpoint in {out_dir}/checkpoints: starting from scratch")
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -668,15 +295,16 @@ def main(argv: list[str] | None = None) -> dict:
     data = load_data(cfg, accelerator, resume)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, accelerator, data.tokenizer)
     check_token_ids(data.blocks, model.config.vocab_size)
+    if cfg.train.model_type == "bilinear":  # compile the CPU scan now: its build stays out of the first tokens/s
+        build_kernels(model.config, accelerator.device.type)
     n_params = count_parameters(model)
-    global_batch = cfg["batch_size"] * accelerator.num_processes * cfg["gradient_accumulation_steps"]
+    batch, n_proc, accum = cfg.train.batch_size, accelerator.num_processes, cfg.train.gradient_accumulation_steps
     accelerator.print(
-        f"{cfg['model_type']} model: {n_params / 1e6:.3f}M parameters, vocab {model.config.vocab_size}, "
-        f"{len(data.blocks['train'])} train / {len(data.blocks['validation'])} val blocks of {cfg['block_size']}\n"
-        f"{accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''} "
-        f"({accelerator.distributed_type.value}), global batch {global_batch} sequences = batch_size "
-        f"{cfg['batch_size']} x {accelerator.num_processes} processes x {cfg['gradient_accumulation_steps']} "
-        f"accumulation steps ({global_batch * cfg['block_size']} tokens per optimizer step)")
+        f"{cfg.train.model_type} model: {n_params / 1e6:.3f}M parameters, vocab {model.config.vocab_size}, "
+        f"{len(data.blocks['train'])} train / {len(data.blocks['validation'])} val blocks of {cfg.data.block_size}\n"
+        f"{n_proc} process{'es' if n_proc > 1 else ''} ({accelerator.distributed_type.value}), global batch "
+        f"{batch * n_proc * accum} sequences = batch_size {batch} x {n_proc} processes x {accum} accumulation steps "
+        f"({batch * n_proc * accum * cfg.data.block_size} tokens per optimizer step)")
     model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
         model, optimizer, data.train_dl, data.val_dl, scheduler)
 
@@ -696,14 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: --help, or train; bad input is one line on stderr and exit status 1 (anything else is a
-    bug and keeps its traceback)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
-        return 0
-    from bilinear_lm.data import DataError
-
+    """The command line: bad input is one line on stderr and exit status 1 (anything else is a bug and keeps its
+    traceback); `--help` prints every key and exits."""
     try:
         main(argv)
     except (TrainingInputError, DataError) as err:

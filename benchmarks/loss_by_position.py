@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import bilinear_lm  # noqa: F401  (registers the Auto classes)
-    from bilinear_lm.data import load_raw_text, tokenize_and_pack
+    from bilinear_lm.training.data import load_raw_text, tokenize_and_pack
 
     edges = [int(e) for e in args.edges.split(",")]
     raw = load_raw_text(dataset=None, dataset_config=None, train_file=args.train_file, validation_file=None,

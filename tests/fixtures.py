@@ -1,6 +1,6 @@
 """Test fixtures: tiny offline checkpoints (no hub access).
 
-``build_tokenizer`` trains train.py's byte-level BPE (``bilinear_lm.data.train_bpe_tokenizer``: lossless,
+``build_tokenizer`` trains train.py's byte-level BPE (``bilinear_lm.training.data.train_bpe_tokenizer``: lossless,
 BOS = EOS = pad = ``<|endoftext|>``) on a slice of a local text file.
 ``save_tiny_checkpoint`` saves a randomly initialized tiny model (llama or bilinear) + that tokenizer.
 """
@@ -16,8 +16,9 @@ DEFAULT_TEXT = DATA_DIR / "wikitext-2-raw" / "wiki.valid.raw"
 
 
 def build_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512, n_chars: int = 200_000):
-    """The byte-level BPE of ``bilinear_lm.data`` trained on the first ``n_chars`` characters of ``text_file``."""
-    from bilinear_lm.data import train_bpe_tokenizer
+    """train.py's byte-level BPE (``bilinear_lm.training.data``) trained on the first ``n_chars`` characters of
+    ``text_file``."""
+    from bilinear_lm.training.data import train_bpe_tokenizer
 
     text = Path(text_file).read_text(encoding="utf-8")[:n_chars]
     return train_bpe_tokenizer(text.splitlines(keepends=True), vocab_size)

@@ -136,3 +136,17 @@ def test_loss_by_position_counts_from_the_last_eos():
     losses, counts = loss_by_position.loss_by_position(Uniform(), ids, 0, [1, 2, 4], batch_size=1)
     assert counts.tolist() == [2, 3]  # position 1: two targets; positions 2-3: three (the EOS targets, 0, are out)
     torch.testing.assert_close(losses, torch.full((2,), math.log(10), dtype=torch.float64))
+
+
+def test_equal_time_trains_the_tinystories_preset_on_the_local_sample(monkeypatch, tmp_path):
+    """The tinystories preset names a Hub dataset; equal_time.py passes the local sample its RESULTS.md numbers were
+    measured on (a run's own --train_file comes later, so it wins); other presets keep their own data."""
+    commands = []
+    monkeypatch.setattr(equal_time.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd))
+    (tmp_path / "metrics.jsonl").write_text("")
+    for preset in ("tinystories", "shakespeare-char"):
+        equal_time.train(equal_time.PRESETS / f"{preset}.yaml", tmp_path, 5, 1, ["--seed", "1"], None)
+    sample = str(equal_time.REPO.parent / "shared" / "data" / "tinystories" / "tinystories_sample.txt")
+    assert commands[0][commands[0].index("--train_file") + 1] == sample
+    assert commands[0].index("--train_file") < commands[0].index("--seed")
+    assert "--train_file" not in commands[1]

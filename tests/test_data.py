@@ -1,4 +1,5 @@
 """Data pipeline and config parsing of train.py, against independent references (plain slicing / loops)."""
+import hashlib
 import json
 import os
 import subprocess
@@ -8,16 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from bilinear_lm import data as D
+from bilinear_lm.training import data as D
+from bilinear_lm.training import TrainingInputError, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
 def shakespeare_raw():
-    path = DATA_DIR / "tinyshakespeare" / "input.txt"
+    path = Path(D.DEFAULT_TRAIN_FILE)
     return path, D.load_raw_text(train_file=str(path), val_fraction=0.1)
+
+
+def test_the_shipped_default_text_is_tiny_shakespeare():
+    """karpathy/char-rnn's input.txt byte for byte (the SHA-256 that ../shared/data/README.md lists)."""
+    digest = hashlib.sha256(Path(D.DEFAULT_TRAIN_FILE).read_bytes()).hexdigest()
+    assert digest == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
 def test_split_matches_nanogpt_prepare(shakespeare_raw):
@@ -109,45 +116,43 @@ def test_unreachable_hub_fails_fast_with_local_file_hint(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- config parsing
 def test_config_preset_and_overrides_are_typed():
-    import train
-
-    cfg = train.parse_config(["--config", str(REPO / "bilinear_lm/configs/shakespeare-char.yaml"), "--max_steps", "7",
-                              "--learning_rate=3e-3", "--model.num_hidden_layers", "2", "--tokenizer", "none",
-                              "--model.use_mlp", "false", "--model.mixer_type", "diagonal"])
-    assert cfg["max_steps"] == 7 and isinstance(cfg["max_steps"], int)
-    assert cfg["learning_rate"] == 3e-3 and cfg["tokenizer"] is None
-    assert cfg["block_size"] == 64 and cfg["batch_size"] == 12  # from the preset
-    assert cfg["model"]["num_hidden_layers"] == 2 and cfg["model"]["state_size"] == 48
-    assert cfg["model"]["use_mlp"] is False and cfg["model"]["mixer_type"] == "diagonal"
-    with pytest.raises(train.TrainingInputError, match="expected int"):
-        train.parse_config(["--max_steps", "many"])
+    cfg = parse_config(["--config", str(REPO / "bilinear_lm/configs/shakespeare-char.yaml"), "--max_steps", "7",
+                        "--learning_rate=3e-3", "--model.num_hidden_layers", "2", "--tokenizer", "bpe",
+                        "--model.use_mlp", "false", "--model.mixer_type", "diagonal"])
+    assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
+    assert cfg.train.learning_rate == 3e-3 and cfg.data.tokenizer == "bpe"
+    assert cfg.data.block_size == 64 and cfg.train.batch_size == 12  # from the preset
+    assert cfg.model["num_hidden_layers"] == 2 and cfg.model["state_size"] == 48
+    assert cfg.model["use_mlp"] is False and cfg.model["mixer_type"] == "diagonal"
+    with pytest.raises(TrainingInputError, match="invalid int value: 'many'"):
+        parse_config(["--max_steps", "many"])
 
 
-def test_config_unknown_keys_list_valid_keys(tmp_path):
-    import train
-
-    with pytest.raises(train.TrainingInputError, match="unknown config key 'max_stepz'.*max_steps"):
-        train.parse_config(["--max_stepz", "3"])
-    with pytest.raises(train.TrainingInputError, match="unknown model key 'hiden_size'.*hidden_size"):
-        train.parse_config(["--model.hiden_size", "3"])
+def test_config_unknown_keys_name_the_valid_ones(tmp_path):
+    with pytest.raises(TrainingInputError, match=r"unknown argument '--max_stepz' \(did you mean --max_steps\?\)"):
+        parse_config(["--max_stepz", "3"])
+    with pytest.raises(TrainingInputError, match="unknown model key 'hiden_size'.*hidden_size"):
+        parse_config(["--model.hiden_size", "3"])
     bad = _write(tmp_path / "bad.yaml", "max_steps: 3\nlearning_rat: 0.1\n")
-    with pytest.raises(train.TrainingInputError, match=r"unknown key\(s\) \['learning_rat'\]"):
-        train.parse_config(["--config", str(bad)])
+    with pytest.raises(TrainingInputError, match=r"preset .*bad.yaml: unknown argument '--learning_rat' \(did you "
+                                                 r"mean --learning_rate\?\)"):
+        parse_config(["--config", str(bad)])
 
 
 def test_all_presets_parse_and_build():
-    """Every preset is valid; the 125m preset is ~125M parameters (meta device: no memory)."""
+    """Every preset is valid and names no local file (they run anywhere: the shipped text, or a Hub dataset); the
+    125m preset is ~125M parameters (meta device: no memory)."""
     import torch
 
-    import train
     from bilinear_lm.baselines import build_model, count_parameters
 
     presets = sorted((REPO / "bilinear_lm/configs").glob("*.yaml"))
-    assert {p.stem for p in presets} >= {"tiny", "shakespeare-char", "125m"}
+    assert {p.stem for p in presets} >= {"tiny", "shakespeare-char", "tinystories", "125m"}
     for p in presets:
-        cfg = train.parse_config(["--config", str(p)])
+        cfg = parse_config(["--config", str(p)])
+        assert cfg.data.train_file is None and cfg.data.validation_file is None, p.stem
         with torch.device("meta"):
-            n = count_parameters(build_model("bilinear", cfg["model"], vocab_size=50257 if p.stem == "125m" else 4096))
+            n = count_parameters(build_model("bilinear", cfg.model, vocab_size=50257 if p.stem == "125m" else 4096))
         if p.stem == "125m":
             assert 100e6 < n < 150e6
 

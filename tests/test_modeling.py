@@ -246,13 +246,13 @@ def test_torch_compile_traces_a_training_step_of_the_tiny_preset_in_one_graph():
 def test_bad_input_ids_raise_a_clear_error(tiny_bilinear_config):
     model = build(tiny_bilinear_config)
     V = tiny_bilinear_config.vocab_size
-    with pytest.raises(ValueError, match=rf"token id {V} is outside the model's vocabulary \[0, {V}\)"):
+    with pytest.raises(ValueError, match=rf"token id {V} at position 1 is outside the model.s vocabulary of {V} ids"):
         model(torch.tensor([[1, V, 2]]))
-    with pytest.raises(ValueError, match=r"token id -1 is outside"):
-        model(torch.tensor([[1, -1]]))
+    with pytest.raises(ValueError, match=r"token id -1 at position 3 is outside"):
+        model(torch.tensor([[1, 2], [0, -1]]))
     with pytest.raises(ValueError, match="at least one token"):
         model(torch.zeros(2, 0, dtype=torch.long))
-    with pytest.raises(ValueError, match=rf"token id {V + 5} is outside"):
+    with pytest.raises(ValueError, match=rf"token id {V + 5} at position 1 is outside"):
         model.generate(torch.tensor([[1, V + 5]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="at least one position"):
         model(inputs_embeds=torch.zeros(1, 0, tiny_bilinear_config.hidden_size))

@@ -1,4 +1,5 @@
-"""train.py end to end (as a subprocess, like a user runs it), kill+resume, 2-rank CPU DDP, baselines, errors.
+"""train.py end to end (as a subprocess, like a user runs it), kill+resume, 2-rank CPU DDP, baselines, errors, the
+shipped default text.
 
 The runs use a 40k-character slice of Tiny Shakespeare and a ~20k-parameter bilinear model so that the
 whole file stays well under a minute and a half on 2 shared cores.
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bilinear_lm.training import DEFAULT_TRAIN_FILE, DataError, TrainingInputError, parse_config, read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SHAKESPEARE = Path(DEFAULT_TRAIN_FILE)  # the Tiny Shakespeare text shipped with the package
 PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
 MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 30, 5, 10
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -24,6 +27,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS
 
 
 def tiny_args(train_file, out_dir, **overrides):
+    """train.py's arguments for a tiny run of the shakespeare-char preset (train_file None: the preset's data)."""
     args = {
         "train_file": train_file, "output_dir": out_dir, "max_steps": MAX_STEPS, "block_size": 32,
         "batch_size": 4, "warmup_steps": 5, "log_interval": 1, "eval_interval": EVAL_EVERY, "eval_iters": 0,
@@ -31,11 +35,7 @@ def tiny_args(train_file, out_dir, **overrides):
         "model.hidden_size": 32, "model.num_hidden_layers": 2, "model.num_heads": 2, "model.state_size": 8,
         "model.rank": 8, "model.norm_chunk_size": 4, **overrides,
     }
-    return ["--config", PRESET] + [x for k, v in args.items() for x in (f"--{k}", str(v))]
-
-
-def read_metrics(out_dir):
-    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return ["--config", PRESET] + [x for k, v in args.items() if v is not None for x in (f"--{k}", str(v))]
 
 
 def losses(records, key="loss"):
@@ -50,27 +50,49 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+# train.py with a hook that writes every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl (run from the repo).
+RECORD_BATCHES = """
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+import train
+
+def recorded(accelerator, train_dl, state, micro_batches=train.micro_batches):
+    with open(os.path.join(os.environ["BATCH_LOG"], f"rank{accelerator.process_index}.jsonl"), "a") as f:
+        for batch in micro_batches(accelerator, train_dl, state):
+            f.write(json.dumps({"step": state.step + 1, "input_ids": batch["input_ids"].tolist()}) + "\\n")
+            f.flush()
+            yield batch
+
+train.micro_batches = recorded
+sys.exit(train.cli())
+"""
+
+
 class Runs:
     """Starts every subprocess at once (they are single-threaded; 2 cores) and lets tests wait for them.
 
     A: uninterrupted run. B: the identical run, SIGKILLed right after its first checkpoint (a watcher
-    thread), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps.
-    DDP_FAIL: 2-rank CPU DDP whose main process fails while building the tokenizer (it fails within seconds).
+    thread), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps, recording
+    each rank's batches. DDP_FAIL: 2-rank CPU DDP whose main process fails while building the tokenizer (it fails
+    within seconds).
     """
 
     def __init__(self, small_text, root):
         import threading
 
         self.a_dir, self.b_dir, self.ddp_dir = root / "a", root / "b", root / "ddp"
+        self.batch_log = root / "ddp_batches"
+        self.batch_log.mkdir()
+        (root / "record_batches.py").write_text(RECORD_BATCHES)
         self.small_text = small_text
         self.a = self._popen([sys.executable, "train.py", *tiny_args(small_text, self.a_dir)])
         self.b = subprocess.Popen([sys.executable, "train.py", *tiny_args(small_text, self.b_dir)], cwd=REPO,
                                   env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.ddp = self._popen(
-            self._ddp_launch() + ["train.py",
+            self._ddp_launch() + [str(root / "record_batches.py"),
              *tiny_args(small_text, self.ddp_dir, max_steps=4, save_interval=2, eval_interval=2, eval_iters=2,
-                        sample_tokens=0, log_shard_checksums="true")],
-            env={**ENV, "ACCELERATE_USE_CPU": "1"})
+                        sample_tokens=0)],
+            env={**ENV, "ACCELERATE_USE_CPU": "1", "BATCH_LOG": str(self.batch_log)})
         self.ddp_fail = self._popen(
             self._ddp_launch() + ["train.py", *tiny_args(small_text, root / "ddp_fail", tokenizer="/nonexistent/dir")],
             env={**ENV, "ACCELERATE_USE_CPU": "1"})
@@ -95,7 +117,8 @@ class Runs:
             time.sleep(0.01)
         self.b.send_signal(signal.SIGKILL)
         self.b.wait()
-        self.killed_records = read_metrics(self.b_dir) if (self.b_dir / "metrics.jsonl").exists() else []
+        metrics = self.b_dir / "metrics.jsonl"
+        self.killed_records = read_metrics(metrics) if metrics.exists() else []
         self.resumed = self._popen([sys.executable, "train.py", *tiny_args(self.small_text, self.b_dir),
                                     "--resume_from_checkpoint", "latest"])
 
@@ -155,26 +178,24 @@ def test_loss_goes_down_on_a_repeated_batch(model_type):
 
 @pytest.mark.parametrize("model_type", ["llama", "mamba"])
 def test_baselines_are_parameter_matched(model_type):
-    import train
     from bilinear_lm.baselines import build_model, count_parameters
 
-    cfg = train.parse_config(["--config", PRESET])
+    model_cfg = parse_config(["--config", PRESET]).model
     with torch.device("meta"):
-        n_bilinear = count_parameters(build_model("bilinear", cfg["model"], vocab_size=65))
-        baseline = build_model(model_type, cfg["model"], vocab_size=65)
+        n_bilinear = count_parameters(build_model("bilinear", model_cfg, vocab_size=65))
+        baseline = build_model(model_type, model_cfg, vocab_size=65)
     assert type(baseline).__name__.lower().startswith(model_type)
-    assert baseline.config.num_hidden_layers == cfg["model"]["num_hidden_layers"]
+    assert baseline.config.num_hidden_layers == model_cfg["num_hidden_layers"]
     assert abs(count_parameters(baseline) / n_bilinear - 1) < 0.1
 
 
 def test_lstm_baseline_is_parameter_matched_and_its_loss_is_next_token_cross_entropy():
-    import train
     from bilinear_lm.baselines import build_model, count_parameters, matched_lstm
 
-    cfg = train.parse_config(["--config", PRESET])
-    n_bilinear = count_parameters(build_model("bilinear", cfg["model"], vocab_size=65))
-    lstm = matched_lstm(cfg["model"], vocab_size=65)
-    assert lstm.lstm.num_layers == cfg["model"]["num_hidden_layers"]
+    model_cfg = parse_config(["--config", PRESET]).model
+    n_bilinear = count_parameters(build_model("bilinear", model_cfg, vocab_size=65))
+    lstm = matched_lstm(model_cfg, vocab_size=65)
+    assert lstm.lstm.num_layers == model_cfg["num_hidden_layers"]
     assert abs(count_parameters(lstm) / n_bilinear - 1) < 0.05
     ids = torch.randint(0, 65, (2, 9))
     out = lstm(ids, labels=ids)
@@ -202,7 +223,7 @@ def test_lstm_trains_saves_reloads_and_generates_through_train_py(small_text, tm
     blocks = ids[: len(ids) // 32 * 32].view(-1, 32)
     with torch.no_grad():
         val = torch.stack([model(input_ids=b, labels=b).loss for b in blocks.split(4)]).mean().item()
-    assert val == pytest.approx(losses(read_metrics(out), "val_loss")[4], abs=1e-4)
+    assert val == pytest.approx(losses(read_metrics(out / "metrics.jsonl"), "val_loss")[4], abs=1e-4)
 
     prompt = blocks[:2, :5]
     with torch.no_grad():
@@ -218,17 +239,18 @@ def test_lstm_trains_saves_reloads_and_generates_through_train_py(small_text, tm
     ({"train_file": "EMPTY"}, "is empty"),
     ({"block_size": 100_000}, "fewer than block_size=100000"),
     ({"tokenizer": "/nonexistent/tokenizer_dir"}, "tokenizer path .* is not a directory"),
-    ({"no_such_key": 1}, "unknown config key 'no_such_key'"),
+    ({"no_such_key": 1}, "unknown argument '--no_such_key'"),
+    ({"max_steps": 2.5}, "argument --max_steps/--max-steps: invalid int value: '2.5'"),
     ({"model.conv_width": 1}, "conv_width must be 0"),
     ({"model.vocab_size": 10}, "--model.vocab_size 10 is smaller than the tokenizer"),
     ({"eval_lm_harness": "lambada_openai"}, "--eval_lm_harness needs a tokenizer with an EOS token"),
+    ({"add_eos": "true"}, r"EOS after every row \(--add_eos true.*\) needs a tokenizer with an EOS token"),
     ({"tokenizer": "GAPPED"}, r"token id 67 in the train data is outside the model's vocabulary of 58 ids .*"
                               r"pass --model.vocab_size 68"),
 ])
 def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
     """Bad input raises the dedicated errors (printed as one line by the CLI), before any training."""
     import train
-    from bilinear_lm.data import DataError
 
     if bad.get("train_file") == "EMPTY":
         (tmp_path / "empty.txt").write_text("")
@@ -244,13 +266,27 @@ def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
         bad = {"tokenizer": str(tmp_path / "gapped")}
     bad = dict(bad)
     args = tiny_args(bad.pop("train_file", small_text), tmp_path / "out", **bad)
-    with pytest.raises((train.TrainingInputError, DataError), match=message):
+    with pytest.raises((TrainingInputError, DataError), match=message):
         train.main(args)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys, monkeypatch):
+    """No --dataset or --train_file (the presets name no local file): train.py trains, offline, on the Tiny
+    Shakespeare text shipped with the package, its last 10% held out (nanoGPT's split)."""
+    import train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    final = train.main(tiny_args(None, tmp_path / "out", max_steps=2, eval_interval=2, eval_iters=2, save_interval=0,
+                                 sample_tokens=0))
+    assert final["step"] == 2
+    text = SHAKESPEARE.read_text()
+    cut = int(len(text) * 0.9)  # one token per character (the preset's char tokenizer)
+    assert f"vocab 65, {cut // 32} train / {(len(text) - cut) // 32} val blocks of 32" in capsys.readouterr().out
+
+
 def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatch):
-    lm_harness = pytest.importorskip("bilinear_lm.lm_harness")
+    lm_harness = pytest.importorskip("bilinear_lm.evaluation.harness")
     import train
 
     from transformers import AutoTokenizer
@@ -266,7 +302,7 @@ def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatc
     monkeypatch.setattr(lm_harness, "run_lm_eval", fake_run_lm_eval)
     out = tmp_path / "out"
     train.main(tiny_args(small_text, out, max_steps=2, save_interval=0, eval_interval=0, sample_tokens=0,
-                         tokenizer="none", bpe_vocab_size=300,  # lm-eval needs an EOS token: the char one has none
+                         tokenizer="bpe", bpe_vocab_size=300,  # lm-eval needs an EOS token: the char one has none
                          eval_lm_harness="lambada_openai,arc_easy", lm_harness_limit=3))
     assert calls == [("BilinearForCausalLM", len(AutoTokenizer.from_pretrained(out)), ["lambada_openai", "arc_easy"], 3)]
     assert json.loads((out / "lm_harness.json").read_text()) == {
@@ -279,7 +315,7 @@ def test_end_to_end_checkpoint_metrics_plot_and_sample(runs):
 
     stdout = runs.finish(runs.a)
     out = runs.a_dir
-    records = read_metrics(out)
+    records = read_metrics(out / "metrics.jsonl")
     train_losses = losses(records)
     assert sorted(train_losses) == list(range(1, MAX_STEPS + 1))
     assert all(math.isfinite(v) for v in train_losses.values())
@@ -315,7 +351,7 @@ def test_sigkill_then_resume_reproduces_losses_exactly(runs):
     ckpts = sorted(int(p.name.split("_")[1]) for p in (runs.b_dir / "checkpoints").glob("step_*"))
     assert ckpts[0] == SAVE_EVERY
     assert "resumed from" in stdout
-    a, b = read_metrics(runs.a_dir), read_metrics(runs.b_dir)
+    a, b = read_metrics(runs.a_dir / "metrics.jsonl"), read_metrics(runs.b_dir / "metrics.jsonl")
     # the training clock is saved with the checkpoint: the resumed run's train_seconds continue from it
     saved = json.loads((runs.b_dir / "checkpoints" / f"step_{SAVE_EVERY}" / "trainer_state.json").read_text())
     assert saved["step"] == SAVE_EVERY and saved["train_seconds"] > 0
@@ -332,12 +368,16 @@ def test_sigkill_then_resume_reproduces_losses_exactly(runs):
 
 def test_two_rank_cpu_ddp(runs):
     stdout = runs.finish(runs.ddp)
-    records = read_metrics(runs.ddp_dir)
+    records = read_metrics(runs.ddp_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    for r in steps:  # each rank got its own shard of the global batch
-        assert len(r["shard_checksums"]) == 2 and r["shard_checksums"][0] != r["shard_checksums"][1]
-        assert math.isfinite(r["loss"])
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    # each rank got its own shard of the global batch: at every step, 4 blocks per rank and none on both ranks
+    rank0, rank1 = (read_metrics(runs.batch_log / f"rank{i}.jsonl") for i in (0, 1))
+    assert [r["step"] for r in rank0] == [r["step"] for r in rank1] == [1, 2, 3, 4]
+    for a, b in zip(rank0, rank1):
+        blocks_a, blocks_b = {tuple(row) for row in a["input_ids"]}, {tuple(row) for row in b["input_ids"]}
+        assert len(blocks_a) == len(blocks_b) == 4 and not blocks_a & blocks_b
     assert "2 processes (MULTI_CPU), global batch 8 sequences = batch_size 4 x 2 processes" in stdout
     final = records[-1]
     assert final["num_processes"] == 2 and final["params_identical_across_ranks"] is True

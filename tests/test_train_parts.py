@@ -1,26 +1,57 @@
-"""train.py's parts in one process, without training: model keys, optimizer groups, TrainState, the bf16 warning,
-failing every rank together, the token-id check and the command line's error handling."""
+"""train.py's parts in one process, without training: the configuration (dataclass defaults, YAML preset, command
+line, model keys), optimizer groups, TrainState, the bf16 warning, failing every rank together, the token-id check
+and the command line's error handling."""
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bilinear_lm.training import TrainingInputError, TrainState, distributed, parse_config, together
+
 REPO = Path(__file__).resolve().parents[1]
 PRESET = str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml")
 SMALL = {"hidden_size": 16, "num_hidden_layers": 2, "num_heads": 2, "state_size": 4, "rank": 4}
 
 
-# ------------------------------------------------------------------------------------------- model keys
+# -------------------------------------------------------------------------------------------- configuration
+def test_command_line_over_preset_over_dataclass_default(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("max_steps: 7\nlearning_rate: 2.0e-3\ntokenizer: char\nsample_prompt: null\n"
+                      "model:\n  hidden_size: 64\n  num_heads: 2\n")
+    cfg = parse_config(["--config", str(preset), "--learning_rate=5e-4", "--model.num_heads", "4", "--block-size",
+                        "32", "--learning_rate", "3e-4"])
+    assert cfg.train.max_steps == 7 and cfg.data.tokenizer == "char"  # the preset's
+    assert cfg.train.learning_rate == 3e-4 and cfg.data.block_size == 32  # the command line's (the last one)
+    assert cfg.train.batch_size == 16 and cfg.train.sample_prompt is None  # the dataclass defaults
+    assert cfg.model == {"hidden_size": 64, "num_heads": 4}  # the preset's model keys, the command line over them
+    assert parse_config([]).train.max_steps == 1000 and parse_config([]).model == {}
+
+
+@pytest.mark.parametrize("preset_text, message", [
+    ("max_steps: many\n", r"preset .*p.yaml: argument --max_steps/--max-steps: invalid int value: 'many'"),
+    ("mixed_precision: no\n", r"preset .*p.yaml: argument --mixed_precision.* invalid choice: 'false'"),
+    ("learning_rat: 0.1\n", r"preset .*p.yaml: unknown argument '--learning_rat' \(did you mean --learning_rate\?\)"),
+    ("model:\n  hiden_size: 3\n", r"preset .*p.yaml: unknown model key 'hiden_size'; valid model keys: .*hidden_size"),
+    ("model:\n  conv_width: wide\n", r"preset .*p.yaml: argument --model.conv_width: invalid int value: 'wide'"),
+    ("- max_steps\n", r"--config .*p.yaml': a preset maps keys to values"),
+    ("max_steps: [1\n", r"--config .*p.yaml': not valid YAML"),
+])
+def test_bad_preset_values_are_one_line_errors_naming_the_key(tmp_path, preset_text, message):
+    (tmp_path / "p.yaml").write_text(preset_text)
+    with pytest.raises(TrainingInputError, match=message):
+        parse_config(["--config", str(tmp_path / "p.yaml")])
+
+
 def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_them():
-    import train
     from bilinear_lm.baselines import build_model
 
-    cfg = train.parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
-                              "--model.hidden_act", "gelu", "--model.reset_state_at_eos", "yes",
-                              "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
-    model = cfg["model"]
+    cfg = parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
+                        "--model.hidden_act", "gelu", "--model.reset_state_at_eos", "yes",
+                        "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
+    model = cfg.model
     assert model["conv_width"] == 4 and type(model["conv_width"]) is int
     assert model["write_channel"] is True and model["reset_state_at_eos"] is True  # bools, not the int 1 / "yes"
     assert model["hidden_act"] == "gelu"
@@ -29,35 +60,58 @@ def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_t
     built = build_model("bilinear", {**model, "eos_token_id": 0}, vocab_size=65)
     assert built.config.conv_width == 4 and built.config.write_channel is True
     assert built.config.hidden_act == "gelu" and built.config.reset_state_at_eos is True
-    # a string-typed key keeps what YAML would turn into a bool; a bare flag is true
-    assert train.parse_config(["--model.hidden_act", "yes"])["model"]["hidden_act"] == "yes"
-    assert train.parse_config(["--model.write_channel"])["model"]["write_channel"] is True
-    assert train.parse_config(["--model.conv_width", "4.0"])["model"]["conv_width"] == 4
-    with pytest.raises(train.TrainingInputError, match="--model.write_channel: expected true/false, got 'maybe'"):
-        train.parse_config(["--model.write_channel", "maybe"])
-    with pytest.raises(train.TrainingInputError, match="--model.conv_width: expected int, got '4.5'"):
-        train.parse_config(["--model.conv_width", "4.5"])
+    # a string-typed key keeps what YAML would turn into a bool; a bare flag is true; "=" works as a separator
+    assert parse_config(["--model.hidden_act", "yes"]).model["hidden_act"] == "yes"
+    assert parse_config(["--model.write_channel"]).model["write_channel"] is True
+    assert parse_config(["--model.initializer_range=-0.5"]).model["initializer_range"] == -0.5
+    assert parse_config(["--model.eos_token_id", "[1, 2]"]).model["eos_token_id"] == [1, 2]  # int | list: as YAML
+    with pytest.raises(TrainingInputError, match="argument --model.write_channel: invalid bool value: 'maybe'"):
+        parse_config(["--model.write_channel", "maybe"])
+    for value in ("4.5", "4.0"):  # ints are written as ints, as for the training keys
+        with pytest.raises(TrainingInputError, match=f"argument --model.conv_width: invalid int value: '{value}'"):
+            parse_config(["--model.conv_width", value])
 
 
 def test_preset_model_values_are_typed(tmp_path):
-    import train
-
     preset = tmp_path / "p.yaml"
     preset.write_text("model:\n  hidden_size: 64\n  rms_norm_eps: 1e-6\n  write_channel: true\n")
-    model = train.parse_config(["--config", str(preset)])["model"]
+    model = parse_config(["--config", str(preset)]).model
     assert model == {"hidden_size": 64, "rms_norm_eps": 1e-6, "write_channel": True}  # YAML reads 1e-6 as a string
     assert type(model["rms_norm_eps"]) is float
 
 
-def test_help_lists_every_model_key_with_its_type(capsys):
+def test_help_lists_every_key_and_every_model_key_with_its_type(capsys):
     import train
 
-    assert train.cli(["--help"]) == 0
+    with pytest.raises(SystemExit) as exit_:
+        train.cli(["--help"])
+    assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for line in ("--model.conv_width             int    0", "--model.write_channel          bool   False",
-                 "--model.hidden_act             str    'silu'", "--model.reset_state_at_eos     bool   False",
-                 "--model.vocab_size             int    len(tokenizer)", "--max_steps"):
-        assert line in out
+    for pattern in (r"--model.conv_width +int +0\n", r"--model.write_channel +bool +False\n",
+                    r"--model.hidden_act +str +'silu'\n", r"--model.reset_state_at_eos +bool +False\n",
+                    r"--model.vocab_size +int +len\(tokenizer\)\n", r"--max_steps MAX_STEPS.*\n +optimizer steps",
+                    r"--config CONFIG +a YAML preset", r"--model_type \{bilinear,llama,mamba,lstm\}"):
+        assert re.search(pattern, out), pattern
+
+
+def test_eos_follows_every_document_of_a_dataset_but_not_every_line_of_a_txt_file(tmp_path):
+    """--add_eos by default: on for --dataset (a Hub dataset, here a local folder of one) and .jsonl rows, which are
+    documents; off for a .txt file, whose rows are its lines; --add_eos true puts it after every line too."""
+    import train
+
+    docs = [f"story number {i}, once upon a time. " * 8 for i in range(12)]
+    (tmp_path / "stories").mkdir()
+    (tmp_path / "stories" / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "lines.txt").write_text("".join(d + "\n" for d in docs))
+    for data_args, documents in (([f"--dataset={tmp_path / 'stories'}"], True),
+                                 ([f"--train_file={tmp_path / 'lines.txt'}"], False),
+                                 ([f"--train_file={tmp_path / 'lines.txt'}", "--add_eos=true"], True)):
+        cfg = parse_config([*data_args, "--bpe_vocab_size=300", "--block_size=16", "--batch_size=1",
+                            f"--output_dir={tmp_path / 'out'}"])
+        data = train.load_data(cfg, SimpleNamespace(is_main_process=True, num_processes=1), None)
+        ids = torch.cat([data.blocks[split][:]["input_ids"].flatten() for split in ("train", "validation")])
+        eos = (ids == data.tokenizer.eos_token_id).sum().item()
+        assert eos >= len(docs) - 2 if documents else eos == 0, (data_args, eos)  # the packing drops partial tails
 
 
 # ------------------------------------------------------------------------------------- optimizer groups
@@ -138,9 +192,9 @@ def test_train_py_builds_adamw_on_the_models_groups():
     accelerator = SimpleNamespace(num_processes=1)
     for model_type, rule in (("bilinear", lambda m: _expected_bilinear(2, conv=True)),
                              ("llama", None)):
-        cfg = train.parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
-                                  *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
-                                  "--model.conv_width", "4", "--model.write_channel", "true"])
+        cfg = parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
+                            *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
+                            "--model.conv_width", "4", "--model.write_channel", "true"])
         model, optimizer, scheduler = train.build_model_and_optimizer(cfg, accelerator, tokenizer)
         groups = optimizer.param_groups
         assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
@@ -152,46 +206,40 @@ def test_train_py_builds_adamw_on_the_models_groups():
 
 # ------------------------------------------------------------------------------------------ TrainState
 def test_train_state_round_trips_and_reads_old_checkpoints(tmp_path):
-    import train
-
-    state = train.TrainState(step=5, epoch=1, batches_done=3, train_seconds=12.5)
+    state = TrainState(step=5, epoch=1, batches_done=3, train_seconds=12.5)
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 5, "epoch": 1, "batches_done": 3,
                                                              "train_seconds": 12.5}))
-    assert train.TrainState.load(tmp_path) == state
+    assert TrainState.load(tmp_path) == state
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 5, "epoch": 1, "batches_done": 3}))
-    assert train.TrainState.load(tmp_path) == train.TrainState(step=5, epoch=1, batches_done=3, train_seconds=0.0)
+    assert TrainState.load(tmp_path) == TrainState(step=5, epoch=1, batches_done=3, train_seconds=0.0)
 
 
 # ------------------------------------------------------------------------------------------ bf16 on CPU
 @pytest.mark.parametrize("native, warns", [(True, False), (False, True), (None, False)])
 def test_bf16_warning_on_a_cpu_without_native_bf16(monkeypatch, native, warns):
-    import train
-
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: native)
-    warning = train.bf16_cpu_warning("bf16", "cpu")
+    monkeypatch.setattr(distributed, "cpu_has_native_bf16", lambda: native)
+    warning = distributed.bf16_cpu_warning("bf16", "cpu")
     assert (warning is not None) == warns
     if warns:
         assert "14x slower" in warning and "--mixed_precision no" in warning
-    assert train.bf16_cpu_warning("no", "cpu") is None and train.bf16_cpu_warning("bf16", "cuda") is None
+    assert distributed.bf16_cpu_warning("no", "cpu") is None and distributed.bf16_cpu_warning("bf16", "cuda") is None
 
 
 def test_native_bf16_probe_reads_the_cpu_flags(tmp_path, monkeypatch):
-    import train
-
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw amx_bf16 amx_tile\n")
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is True
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is True
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512vl avx512dq\n")
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is False  # AVX512 alone: oneDNN emulates bf16
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is False  # AVX512 alone: oneDNN emulates bf16
     cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # aarch64
-    assert train.cpu_has_native_bf16(str(cpuinfo)) is True
+    assert distributed.cpu_has_native_bf16(str(cpuinfo)) is True
     # no flags to read: oneDNN's answer, when it says there is no bf16 path at all
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    assert distributed.cpu_has_native_bf16(str(tmp_path / "missing")) is False
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is None
+    assert distributed.cpu_has_native_bf16(str(tmp_path / "missing")) is None
 
 
 # ------------------------------------------------------------------------------------ failing together
@@ -210,30 +258,27 @@ class FakeAccelerator:
 
 
 def test_a_rank_fails_when_the_main_process_failed_and_does_not_run_its_part():
-    import train
-
     calls = []
-    with pytest.raises(train.TrainingInputError, match="building the tokenizer failed on process 0 .* stopping "
-                                                       "process 1 too"):
-        train.together(FakeAccelerator(1, other_failed=True), lambda: calls.append(1), "building the tokenizer",
-                       main_first=True)
+    with pytest.raises(TrainingInputError, match="building the tokenizer failed on process 0 .* stopping process 1 "
+                                                 "too"):
+        together(FakeAccelerator(1, other_failed=True), lambda: calls.append(1), "building the tokenizer",
+                 main_first=True)
     assert calls == []
 
 
 def test_the_failed_rank_raises_its_own_error_and_success_everywhere_returns():
-    import train
-    from bilinear_lm.data import DataError
+    from bilinear_lm.training import DataError
 
     def fail():
         raise DataError("tokenizer path is not a directory")
 
     with pytest.raises(DataError, match="tokenizer path is not a directory"):
-        train.together(FakeAccelerator(0, other_failed=False), fail, "building the tokenizer", main_first=True)
+        together(FakeAccelerator(0, other_failed=False), fail, "building the tokenizer", main_first=True)
     ranks = [FakeAccelerator(0, other_failed=False), FakeAccelerator(1, other_failed=False)]
-    assert [train.together(acc, lambda: "tok", "x", main_first=True) for acc in ranks] == ["tok", "tok"]
+    assert [together(acc, lambda: "tok", "x", main_first=True) for acc in ranks] == ["tok", "tok"]
     assert ranks[0].gathers == ranks[1].gathers == 2  # every rank takes part in the same collectives
-    with pytest.raises(train.TrainingInputError, match="tokenizing failed on process 1"):
-        train.together(FakeAccelerator(0, other_failed=True), lambda: "tok", "tokenizing")
+    with pytest.raises(TrainingInputError, match="tokenizing failed on process 1"):
+        together(FakeAccelerator(0, other_failed=True), lambda: "tok", "tokenizing")
 
 
 # ------------------------------------------------------------------------------------ command-line errors
@@ -241,7 +286,10 @@ def test_cli_prints_input_errors_as_one_line_and_keeps_tracebacks_of_bugs(monkey
     import train
 
     assert train.cli(["--max_stepz", "3"]) == 1
-    assert capsys.readouterr().err.startswith("error: unknown config key 'max_stepz'")
+    assert capsys.readouterr().err == ("error: unknown argument '--max_stepz' (did you mean --max_steps?); train.py "
+                                       "--help lists the arguments\n")
+    assert train.cli(["--config", str(tmp_path / "missing.yaml")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: --config '{tmp_path / 'missing.yaml'}': preset file not found")
 
     def internal_bug(*args, **kwargs):
         raise ValueError("an internal error")
@@ -251,6 +299,16 @@ def test_cli_prints_input_errors_as_one_line_and_keeps_tracebacks_of_bugs(monkey
         train.cli(["--config", PRESET, "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("flag", ["--transition_lr_scale", "--log_shard_checksums"])
+def test_removed_flags_are_unknown_arguments(flag, capsys):
+    """--transition_lr_scale (rejected by a measurement, docs/results.md) and --log_shard_checksums (a test
+    hook now) are gone: one line, exit status 1."""
+    import train
+
+    assert train.cli(["--config", PRESET, flag, "2"]) == 1
+    assert capsys.readouterr().err == f"error: unknown argument '{flag}'; train.py --help lists the arguments\n"
+
+
 def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     """A tokenizer whose ids are not below its length (a gap in its vocabulary)."""
     import train
@@ -258,7 +316,7 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from bilinear_lm.data import tokenize_and_pack
+    from bilinear_lm.training import tokenize_and_pack
 
     vocab = {c: i for i, c in enumerate("abcd")} | {"e": 40}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))
@@ -266,7 +324,7 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     raw = DatasetDict(train=Dataset.from_dict({"text": ["abcdabcde" * 4]}),
                       validation=Dataset.from_dict({"text": ["abcdabcd" * 2]}))
     blocks = tokenize_and_pack(raw, tokenizer, 8)
-    with pytest.raises(train.TrainingInputError, match=r"token id 40 in the train data is outside the model's "
-                                                       r"vocabulary of 5 ids .*--model.vocab_size 41"):
+    with pytest.raises(TrainingInputError, match=r"token id 40 in the train data is outside the model's "
+                                                 r"vocabulary of 5 ids .*--model.vocab_size 41"):
         train.check_token_ids(blocks, 5)
     train.check_token_ids(blocks, 41)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..modeling.modeling_bilinear import check_token_ids
 from ..utils import eval_mode
 
 __all__ = [
@@ -74,14 +75,9 @@ def _as_1d(input_ids) -> torch.Tensor:
 def _model_ids(model, input_ids) -> torch.Tensor:
     """``input_ids`` as one 1-D sequence on the model's device, every id checked against the vocabulary."""
     ids = _as_1d(input_ids)
-    vocab = model.get_input_embeddings().num_embeddings
-    bad = ((ids < 0) | (ids >= vocab)).nonzero()
-    if bad.numel():
-        pos = int(bad[0, 0])
-        raise ValueError(
-            f"token id {int(ids[pos])} at position {pos} is outside the model's vocabulary of {vocab} ids "
-            f"(0..{vocab - 1}): the tokenizer does not match the model; tokenize with the model's own tokenizer "
-            "(the one saved with the checkpoint, or --tokenizer PATH)")
+    check_token_ids(ids, model.get_input_embeddings().num_embeddings,
+                    "the tokenizer does not match the model; tokenize with the model's own tokenizer (the one saved "
+                    "with the checkpoint, or --tokenizer PATH)")
     return ids.to(_model_device(model))
 
 

@@ -247,18 +247,25 @@ def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
     return reset, torch.where(last >= 0, last_is_eos, before)
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, fix: str, where: str | None = None) -> None:
+    """The one vocabulary check (model, perplexity, training data): raise a ValueError naming the first id of ``ids``
+    outside ``[0, vocab_size)``, where it is (``where``, else its position in ``ids`` flattened) and ``fix`` (torch's
+    ``IndexError: index out of range in self`` names neither)."""
+    flat = ids.reshape(-1)
+    bad = ((flat < 0) | (flat >= vocab_size)).nonzero()
+    if bad.numel():
+        position = int(bad[0, 0])
+        raise ValueError(f"token id {int(flat[position])} {where or f'at position {position}'} is outside the model's "
+                         f"vocabulary of {vocab_size} ids (0..{vocab_size - 1}): {fix}")
+
+
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a ValueError naming the problem and the fix for empty ``input_ids`` or ids outside ``[0, vocab_size)``
-    (instead of torch's ``IndexError: index out of range in self``)."""
+    """Raise a ValueError naming the problem and the fix for empty ``input_ids`` or ids outside ``[0, vocab_size)``."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}; "
                          "pass at least one token per row")
-    low, high = input_ids.min().item(), input_ids.max().item()
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size}); the tokenizer does "
-                         f"not match the model: use the tokenizer saved with the checkpoint, or build the model with "
-                         f"vocab_size >= {high + 1} (e.g. len(tokenizer))")
+    check_token_ids(input_ids, vocab_size, "the tokenizer does not match the model: use the tokenizer saved with the "
+                                           "checkpoint, or build the model with a vocab_size of len(tokenizer)")
 
 
 class BilinearPreTrainedModel(PreTrainedModel):

@@ -4,7 +4,7 @@ Everything here is library glue: `datasets` loads and maps, `tokenizers` trains 
 vocabulary, and the result is always a transformers `PreTrainedTokenizerFast` so it can be saved next to a
 checkpoint and reloaded with `AutoTokenizer.from_pretrained`.
 
-    raw = load_raw_text(dataset=None, train_file="../shared/data/tinyshakespeare/input.txt", val_fraction=0.1)
+    raw = load_raw_text(train_file=DEFAULT_TRAIN_FILE, val_fraction=0.1)   # the Tiny Shakespeare text shipped here
     tok = build_tokenizer("char", raw["train"])
     blocks = tokenize_and_pack(raw, tok, block_size=64)   # DatasetDict of {"input_ids", "labels"} rows
 """
@@ -19,11 +19,15 @@ from typing import Iterable, Iterator
 import datasets
 from datasets import Dataset, DatasetDict, concatenate_datasets
 
+
 class DataError(ValueError):
     """Unusable training data or tokenizer input (missing or empty file, unreachable hub, ...); the message says
     what to pass instead. CLIs print it as one line."""
 
 
+# Tiny Shakespeare (40,000 lines, 1.1 MB; public domain), karpathy/char-rnn's data/tinyshakespeare/input.txt
+# unchanged: train.py's data when it is given neither --dataset nor --train_file, so it runs anywhere offline.
+DEFAULT_TRAIN_FILE = str(Path(__file__).parent / "default_data" / "tinyshakespeare.txt")
 TEXT_EXTENSIONS = {".txt": "text", ".raw": "text", ".text": "text", ".jsonl": "json", ".json": "json"}
 EOS_TOKEN = "<|endoftext|>"
 
@@ -70,13 +74,10 @@ def hub_reachable(timeout: float = 5.0) -> bool:
 def _offline_help(dataset: str, text_column: str) -> str:
     return (
         f"cannot load dataset {dataset!r}: the HuggingFace Hub is unreachable (no network, or HF_HUB_OFFLINE set) "
-        f"and no cached copy was found. Train on local files instead, e.g.\n"
-        f"  accelerate launch train.py --config bilinear_lm/configs/tiny.yaml "
-        f"--train_file ../shared/data/wikitext-2-raw/wiki.test.raw --validation_file ../shared/data/wikitext-2-raw/wiki.valid.raw\n"
-        f"  accelerate launch train.py --config bilinear_lm/configs/shakespeare-char.yaml "
-        f"--train_file ../shared/data/tinyshakespeare/input.txt\n"
-        f"(.txt files are read line by line; .jsonl files need a '{text_column}' field; pass --dataset none "
-        f"to make sure no hub dataset is used)"
+        f"and no cached copy was found. Train on local files instead (--train_file wins over --dataset): e.g. "
+        f"--train_file stories.txt (read line by line), or --train_file train.jsonl --validation_file "
+        f"validation.jsonl (a '{text_column}' field on every line); with neither --dataset nor --train_file, "
+        f"train.py trains on the Tiny Shakespeare text shipped with the package"
     )
 
 
