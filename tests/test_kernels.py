@@ -32,7 +32,7 @@ def fresh_loader(monkeypatch, tmp_path):
 def test_a_build_says_so_in_one_line_and_a_cached_one_is_silent(fresh_loader, tmp_path, capsys):
     assert cpu.load() == "built"
     message = capsys.readouterr().err
-    assert message.count("\n") == 1 and "compiling the C++ CPU scan" in message and cpu.DISABLE_ENV in message
+    assert message.count("\n") == 1 and "compiling the C++ CPU kernels" in message and cpu.DISABLE_ENV in message
     name = fresh_loader[0]
     (tmp_path / name / f"{name}.so").touch()  # what a finished build leaves
     cpu._module = None
@@ -61,7 +61,7 @@ def test_the_cache_key_covers_compiler_and_ninja(monkeypatch):
     second = cpu.build_name()
     versions["c++"] = "clang 17"
     third = cpu.build_name()
-    assert len({first, second, third}) == 3 and all(n.startswith("bilinear_cpu_scan_") for n in (first, second, third))
+    assert len({first, second, third}) == 3 and all(n.startswith("bilinear_cpu_kernels_") for n in (first, second, third))
 
 
 @pytest.mark.parametrize("impl", ["torch", "reference"])
@@ -86,3 +86,33 @@ def test_no_build_when_the_chosen_implementation_does_not_use_it(impl, tmp_path,
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
     assert "compiling" not in result.stderr and not (tmp_path / "ext").exists()
+
+
+def test_decoding_projections_take_the_gemv_and_nothing_else_does(monkeypatch):
+    """``dispatch.linear``: the GEMV equals the layer (fp64, output features not a multiple of its 4-row blocks) and
+    is taken only by a plain, hook-free ``nn.Linear`` on at most 4 rows without gradients; it never builds."""
+    from bilinear_lm.modeling import dispatch
+
+    kernel = cpu.load()
+    if kernel is None:
+        pytest.skip("no C++ compiler here")
+    calls = []
+
+    class Spy:
+        def small_batch_linear(self, x, w):
+            calls.append(tuple(x.shape))
+            return kernel.small_batch_linear(x, w)
+
+    monkeypatch.setattr(dispatch, "loaded_cpu_kernels", Spy)
+    layer = torch.nn.Linear(37, 23, bias=False).double()
+    x = torch.randn(3, 1, 37, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(dispatch.linear(layer, x), x @ layer.weight.T, rtol=1e-12, atol=1e-12)
+        assert calls == [(3, 37)]
+        dispatch.linear(layer, torch.randn(5, 37, dtype=torch.float64))  # five rows: not a decoding step
+        dispatch.linear(type("Adapter", (torch.nn.Linear,), {})(37, 23, bias=False).double(), x)  # not a plain Linear
+        handle = layer.register_forward_hook(lambda *args: None)
+        dispatch.linear(layer, x)  # a hook must run
+        handle.remove()
+    dispatch.linear(layer, x)  # gradients on: training
+    assert calls == [(3, 37)]

@@ -303,3 +303,35 @@ def test_reset_equals_running_the_documents_separately(impl):
              ((ref_states, ref_final), (states, final))]
     for name, gr, gf in zip(["u", "W1", "W2", "h0", "h_start"], *grads):
         assert relative_error(gf, gr) < 1e-10, name
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_compiled_decoding_step_equals_the_reference_step(dtype, tol, monkeypatch):
+    """Decoding (one position, no gradients) of the CP map runs the C++ ``cp_step``: equal to ``reference_step`` with
+    padding, restarts, a chunk boundary and the overflow guard (one row far out of range), at sizes that take every
+    column block of its vector-matrix products (115 = 64 + 32 + 16 + 3, 48 = 32 + 16)."""
+    from bilinear_lm.modeling import dispatch
+
+    if dispatch.load_cpu_scan is None or dispatch.load_cpu_scan() is None:
+        pytest.skip("no C++ compiler here")
+    B, N, H, R = 4, 2, 115, 48
+    u, W1, W2, _ = (t.detach() for t in make_inputs(B, 1, N, H, R, dtype))
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(B, N, H, generator=g, dtype=dtype)
+    h[3] *= 1e14  # its next state leaves the safe range: the guard normalizes it
+    h_start = torch.randn(N, H, generator=g, dtype=dtype)
+    mask, reset = torch.tensor([[1], [0], [1], [1]]), torch.tensor([[0], [1], [1], [0]], dtype=torch.bool)
+    steps = []
+    kernel = dispatch.load_cpu_scan()
+    monkeypatch.setattr(dispatch, "load_cpu_scan", lambda: type("Spy", (), {
+        "cp_step": lambda self, *args: steps.append(1) or kernel.cp_step(*args)})())
+    for chunk, offset in [(0, 0), (4, 3), (4, 1)]:  # no normalization; the step ends a chunk; the guard alone
+        with torch.no_grad():
+            got, final = recurrence(CPTransition(W1, W2), u, h, mask, chunk, offset, "auto", reset=reset,
+                                    h_start=h_start)
+        want = reference_step(CPTransition(W1, W2), u[:, 0], h, mask[:, 0], is_boundary(chunk, offset, 0),
+                              guard=chunk > 0, reset_t=reset[:, 0], h_start=h_start)
+        scale = want.abs().amax(-1, keepdim=True)  # each (row, head) at its own scale: row 3 is 1e14 times larger
+        torch.testing.assert_close(got[:, 0] / scale, want / scale, rtol=tol, atol=tol)
+        torch.testing.assert_close(final / scale, want / scale, rtol=tol, atol=tol)
+    assert len(steps) == 3

@@ -2,11 +2,14 @@
 
 * :func:`recurrence` runs a sequence, ``(map, factors, h0, mask, chunk, offset, impl, ...) -> (states, final)``:
   a CP map (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other map the
-  reference loop, and a single position (decoding) one :func:`~.recurrence.reference_step`.
+  reference loop, and a single position (decoding) one :func:`~.recurrence.reference_step` (for the CP map on CPU
+  without gradients, its compiled twin ``cp_step``).
   :func:`resolve_impl` picks the scan: ``"cpp"`` (the C++ CPU scan, ``bilinear_lm.kernels.cpu``, where the package
   is installed; CPU fp32/fp64), ``"triton"`` (``scan_triton``, CUDA; imported only when chosen), ``"torch"``
   (``scan``, any device) or ``"reference"`` (the loop itself).
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
+* :func:`linear` is how the modules apply their projections: a decoding step's few CPU rows take the compiled GEMV
+  (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working).
 
 The scans are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through them.
 """
@@ -14,22 +17,24 @@ The scans are ``torch.library`` custom ops with fake implementations, so ``torch
 import re
 
 import torch
+from torch import nn
 
 from .recurrence import CPTransition, is_boundary, reference_recurrence, reference_step
 from .scan import scan_backward as torch_scan_backward
 from .scan import scan_forward as torch_scan_forward
 
-try:  # the compiled CPU scan ships with the package; remote code (save_pretrained) runs the PyTorch scan without it
+try:  # the compiled CPU kernels ship with the package; remote code (save_pretrained) runs PyTorch without them
     from bilinear_lm.kernels.cpu import load as load_cpu_scan
+    from bilinear_lm.kernels.cpu import loaded as loaded_cpu_kernels
 except ImportError:
-    load_cpu_scan = None
+    load_cpu_scan = loaded_cpu_kernels = None
 
 IMPLS = ("auto", "cpp", "triton", "torch", "reference")
 
 
 @torch.compiler.assume_constant_result
 def cpu_scan_available() -> bool:
-    """Whether the C++ CPU scan is built, or builds now (once). ``torch.compile`` keeps the answer it traced."""
+    """Whether the C++ CPU kernels are built, or build now (once). ``torch.compile`` keeps the answer it traced."""
     return load_cpu_scan is not None and load_cpu_scan() is not None
 
 
@@ -40,6 +45,26 @@ def build_kernels(config, device_type: str) -> None:
     if device_type == "cpu" and config.recurrence_impl in ("auto", "cpp") and config.mixer_type == "cp" \
             and not config.additive_input:
         cpu_scan_available()
+
+
+SMALL_BATCH_ROWS = 4  # decoding: up to this many rows take the GEMV
+
+
+def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, except that a plain ``nn.Linear`` (no hooks) on at most ``SMALL_BATCH_ROWS`` fp32/fp64 CPU rows
+    without gradients or autocast, a decoding step's projection, runs the compiled GEMV when the kernels are built
+    (2-3x ``F.linear`` on the CPUs measured; docs/results.md). Anything else, adapters such as LoRA included, is
+    ``layer(x)``; this never builds the kernels."""
+    if x.numel() > SMALL_BATCH_ROWS * x.shape[-1] or torch.is_grad_enabled() or type(layer) is not nn.Linear:
+        return layer(x)  # the common cases first: this runs for every projection
+    kernel = loaded_cpu_kernels() if loaded_cpu_kernels is not None else None
+    weight = layer.weight
+    if (kernel is None or x.device.type != "cpu" or x.dtype != weight.dtype
+            or x.dtype not in (torch.float32, torch.float64) or layer.bias is not None
+            or layer._forward_hooks or layer._forward_pre_hooks or torch.is_autocast_enabled("cpu")):
+        return layer(x)
+    y = kernel.small_batch_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def _cpu_scan_runs_on(tensor: torch.Tensor) -> bool:
@@ -186,16 +211,27 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
 
     ``transition``: a :class:`~.recurrence.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; the other
     arguments as in :func:`~.recurrence.reference_recurrence`. A single position runs one
-    :func:`~.recurrence.reference_step` (its overflow guard on whenever ``chunk > 0``); longer sequences of the CP
-    map without additive input run a rank-space scan, every other one the reference loop.
+    :func:`~.recurrence.reference_step` (its overflow guard on whenever ``chunk > 0``), or for the CP map on CPU
+    without gradients (decoding) the compiled ``cp_step``; longer sequences of the CP map without additive input run
+    a rank-space scan, every other one the reference loop.
     """
     if impl not in IMPLS:
         raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
     if factors.shape[1] == 1:
-        h = reference_step(transition, factors[:, 0], h0.expand(factors.shape[0], *h0.shape[-2:]),
-                           None if mask is None else mask[:, 0], is_boundary(chunk, offset, 0), guard=chunk > 0,
-                           additive_t=None if additive is None else additive[:, 0],
-                           reset_t=None if reset is None else reset[:, 0], h_start=h_start)
+        h = h0.expand(factors.shape[0], *h0.shape[-2:])
+        keep_t, reset_t = None if mask is None else mask[:, 0], None if reset is None else reset[:, 0]
+        if isinstance(transition, CPTransition) and additive is None and not torch.is_grad_enabled() \
+                and impl in ("auto", "cpp") and _cpu_scan_runs_on(factors):  # the compiled step (decoding)
+            empty = torch.empty(0, dtype=torch.bool)
+            h = load_cpu_scan().cp_step(
+                factors[:, 0].contiguous(), h.contiguous(), transition.W1.contiguous(), transition.W2.contiguous(),
+                empty if keep_t is None else keep_t.bool().contiguous(),
+                empty if reset_t is None else reset_t.bool().contiguous(),
+                h if h_start is None else h_start.contiguous(), is_boundary(chunk, offset, 0), chunk > 0)[0]
+        else:
+            h = reference_step(transition, factors[:, 0], h, keep_t, is_boundary(chunk, offset, 0), guard=chunk > 0,
+                               additive_t=None if additive is None else additive[:, 0], reset_t=reset_t,
+                               h_start=h_start)
         return h[:, None], h
     if isinstance(transition, CPTransition) and additive is None:
         return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)

@@ -16,6 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_bilinear import BilinearConfig
+from .dispatch import linear
 from .transitions import TRANSITIONS, Transition
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -173,7 +174,7 @@ class BilinearMixer(nn.Module):
         B, T, _ = x.shape
         N, H = self.num_heads, self.state_size
         with torch.autocast(device_type=x.device.type, enabled=False):
-            raw, gate, additive = self.in_proj(x).split(self.split_sizes, dim=-1)
+            raw, gate, additive = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
             dtype = torch.promote_types(x.dtype, torch.float32)
             raw = raw.to(dtype).view(B, T, N, self.input_size)
             additive = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
@@ -183,7 +184,7 @@ class BilinearMixer(nn.Module):
         y = self.state_norm(states[..., :H]).flatten(2).to(x.dtype)
         if self.config.use_gate:
             y = y * F.silu(gate)
-        return self.out_proj(y), states, final
+        return linear(self.out_proj, y), states, final
 
 
 class BilinearMLP(nn.Module):
@@ -196,8 +197,8 @@ class BilinearMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
+        return linear(self.down_proj, self.act(gate) * up)
 
 
 class BilinearBlock(GradientCheckpointingLayer):
@@ -446,7 +447,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        logits = linear(self.lm_head, hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -1,10 +1,14 @@
-"""The C++ CPU scan (``scan.cpp``), compiled on first use with ``torch.utils.cpp_extension``.
+"""The C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` into one module:
 
-:func:`load` builds it once per machine (a one-line message on stderr while it compiles, about a minute on 2 cores)
-and returns the module (``scan_forward``, ``scan_backward``: the signatures of ``bilinear_lm.modeling.scan``), or
-``None`` where it cannot be built (no compiler) or ``BILINEAR_LM_NO_CPP=1`` disables it; the model then runs the
-PyTorch scan. The build cache key covers the source, this CPU's flags (``-march=native``), the compiler, ninja,
-torch and Python, so two toolchains never rebuild each other's copy. ``TORCH_EXTENSIONS_DIR`` says where it lives.
+* ``scan_forward`` / ``scan_backward`` (``scan.cpp``): the CP rank-space scan, the signatures of
+  ``bilinear_lm.modeling.scan``; ``cp_step``: one decoding step of the CP state (``recurrence.reference_step``);
+* ``small_batch_linear`` (``linear.cpp``): a GEMV for the few rows of a decoding step.
+
+:func:`load` builds them once per machine (a one-line message on stderr while it compiles, about a minute on 2 cores)
+and returns the module, or ``None`` where it cannot be built (no compiler) or ``BILINEAR_LM_NO_CPP=1`` disables it;
+the model then runs the PyTorch scan and ``F.linear``. The build cache key covers the sources, this CPU's flags
+(``-march=native``), the compiler, ninja, torch and Python, so two toolchains never rebuild each other's copy.
+``TORCH_EXTENSIONS_DIR`` says where it lives.
 """
 
 import hashlib
@@ -21,7 +25,7 @@ from ...modeling.recurrence import SAFE_MAX, SAFE_MIN
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("scan.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 DISABLE_ENV = "BILINEAR_LM_NO_CPP"
 
 _lock = threading.Lock()
@@ -37,19 +41,24 @@ def _version(command: list[str]) -> str:
 
 
 def build_name() -> str:
-    """``bilinear_cpu_scan_<hash>``: the cache key of the build (see the module docstring)."""
+    """``bilinear_cpu_kernels_<hash>``: the cache key of the build (see the module docstring)."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
     compiler = os.environ.get("CXX", "c++")
-    key = "\n".join([SOURCE.read_text(), flags, _version([compiler, "--version"]), _version(["ninja", "--version"]),
+    key = "\n".join([*(source.read_text() for source in SOURCES), flags, _version([compiler, "--version"]), _version(["ninja", "--version"]),
                      torch.__version__, sys.version])
-    return f"bilinear_cpu_scan_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    return f"bilinear_cpu_kernels_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def loaded():
+    """The compiled kernels module if :func:`load` has built it in this process, else ``None`` (never builds)."""
+    return _module
 
 
 def load():
-    """The compiled scan module, built once per process (and cached on disk), or ``None`` (see the module
+    """The compiled kernels module, built once per process (and cached on disk), or ``None`` (see the module
     docstring)."""
     global _module, _failed
     if _module is not None or _failed:
@@ -64,14 +73,14 @@ def load():
 
                 name = build_name()
                 if not (Path(_get_build_directory(name, False)) / f"{name}.so").exists():
-                    print(f"bilinear-lm: compiling the C++ CPU scan (once per machine, about a minute; "
+                    print(f"bilinear-lm: compiling the C++ CPU kernels (once per machine, about a minute; "
                           f"{DISABLE_ENV}=1 skips it)", file=sys.stderr, flush=True)
                 _module = load_extension(
-                    name=name, sources=[str(SOURCE)],
+                    name=name, sources=[str(source) for source in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DBILINEAR_SAFE_MIN={SAFE_MIN.hex()}",
                                   f"-DBILINEAR_SAFE_MAX={SAFE_MAX.hex()}"],
                     extra_ldflags=["-fopenmp"], verbose=os.environ.get("BILINEAR_LM_VERBOSE_BUILD") == "1")
             except Exception as error:  # no compiler or headers: fall back, say so once
                 _failed = True
-                logger.warning("bilinear-lm: C++ CPU scan unavailable (%s); using the PyTorch scan", error)
+                logger.warning("bilinear-lm: C++ CPU kernels unavailable (%s); using the PyTorch scan", error)
     return _module

@@ -1,5 +1,6 @@
-// The CP rank-space scan on CPU: the C++ twin of bilinear_lm/modeling/scan.py (scan_forward / scan_backward, same
-// signatures and results; tested against it and against the reference loop). Every (head, batch row) evolves
+// The CP state recurrence on CPU: the rank-space scan, the C++ twin of bilinear_lm/modeling/scan.py (scan_forward /
+// scan_backward, same signatures and results; tested against it and against the reference loop), and one decoding
+// step of the state (cp_step, tested against recurrence.reference_step). In the scan every (head, batch row) evolves
 // independently, so each is one thread's sequential loop over time with no per-step synchronization or dispatch.
 // Built by bilinear_lm/kernels/cpu/__init__.py (torch.utils.cpp_extension), which defines BILINEAR_SAFE_MIN and
 // BILINEAR_SAFE_MAX, the overflow guard's range, from bilinear_lm/modeling/recurrence.py (SAFE_MIN, SAFE_MAX).
@@ -190,10 +191,45 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, tor
   return {dp0, dp_start};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using pybind11::arg;
-  m.def("scan_forward", &scan_forward, arg("u"), arg("Mt"), arg("W1"), arg("keep"), arg("p0"), arg("chunk"),
-        arg("offset"), arg("restart"), arg("p_start"));
-  m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("restart"), arg("DGT"),
-        arg("DP"));
+// One decoding step of the state (recurrence.reference_step for the CP map, no gradients): per (row, head)
+// h' = W1 (u * (W2^T h_prev)), h_prev = h_start where the row restarts, then normalized at a chunk boundary or
+// where the guard finds h' outside the safe range; a padded row keeps h. u: [B, N, R]; h: [B, N, H];
+// W1, W2: [N, H, R]; keep, restart: [B] bool or empty; h_start: [N, H] (read only where restart).
+std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tensor W1, torch::Tensor W2,
+                                   torch::Tensor keep, torch::Tensor restart, torch::Tensor h_start, bool boundary,
+                                   bool guard) {
+  const int64_t B = h.size(0), N = h.size(1), H = h.size(2), R = W1.size(2);
+  auto out = torch::empty_like(h);
+  auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h' = W1 g is a vec_mat
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "cp_step", [&] {
+    const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
+    const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
+    const scalar_t* up = u.data_ptr<scalar_t>();
+    const scalar_t* hp = h.data_ptr<scalar_t>();
+    const scalar_t* w2 = W2.data_ptr<scalar_t>();
+    const scalar_t* w1t = W1T.data_ptr<scalar_t>();
+    const scalar_t* hs = rp ? h_start.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    std::vector<scalar_t> g(R);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t n = 0; n < N; ++n) {
+        const scalar_t* h_prev = hp + (b * N + n) * H;
+        scalar_t* h_new = op + (b * N + n) * H;
+        if (kp && !kp[b]) {
+          std::copy(h_prev, h_prev + H, h_new);
+          continue;
+        }
+        if (rp && rp[b]) h_prev = hs + n * H;
+        vec_mat(h_prev, w2 + n * H * R, H, R, g.data());  // W2^T h
+        const scalar_t* ub = up + (b * N + n) * R;
+        for (int64_t r = 0; r < R; ++r) g[r] *= ub[r];
+        vec_mat(g.data(), w1t + n * R * H, R, H, h_new);  // W1 g
+        if (boundary || (guard && !in_safe_range(h_new, H))) {
+          const scalar_t s = scalar_t(1) / clamped_norm(h_new, H);
+          for (int64_t k = 0; k < H; ++k) h_new[k] *= s;
+        }
+      }
+    }
+  });
+  return {out};
 }
