@@ -30,9 +30,9 @@ from bilinear_lm.baselines import bilinear_config, build_model, count_parameters
 from bilinear_lm.modeling.dispatch import build_kernels
 from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
 from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
-                                  append_metrics, bf16_cpu_warning, build_tokenizer, find_checkpoint, load_raw_text,
-                                  params_identical_across_ranks, parse_config, plot_losses, save_checkpoint,
-                                  together, tokenize_and_pack)
+                                  append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change,
+                                  find_checkpoint, load_raw_text, params_identical_across_ranks, parse_config,
+                                  plot_losses, save_checkpoint, together, tokenize_and_pack)
 from bilinear_lm.utils import eval_mode
 
 
@@ -206,7 +206,8 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
             if accelerator.is_local_main_process:
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
         if cfg.train.save_interval and state.step % cfg.train.save_interval == 0:
-            save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer)
+            save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer, cfg,
+                            total_limit=cfg.train.save_total_limit)
         t_mark = time.time()  # evaluation and checkpoint time is not training time
         if last:
             break
@@ -286,9 +287,12 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator.print(warning)
     set_seed(cfg.train.seed)
     resume_spec = cfg.train.resume_from_checkpoint
-    resume = find_checkpoint(cfg.train.output_dir, resume_spec) if resume_spec else None
+    # damaged checkpoints are skipped by `latest` (with a warning), an error when named; then the options must match
+    resume = find_checkpoint(cfg.train.output_dir, resume_spec, warn=accelerator.print) if resume_spec else None
     if resume_spec == "latest" and resume is None:
         accelerator.print(f"no complete checkpoint in {out_dir}/checkpoints: starting from scratch")
+    if resume is not None:
+        check_config_change(resume, cfg, warn=accelerator.print)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -86,7 +86,9 @@ class Runs:
         (root / "record_batches.py").write_text(RECORD_BATCHES)
         self.small_text = small_text
         self.a = self._popen([sys.executable, "train.py", *tiny_args(small_text, self.a_dir)])
-        self.b = subprocess.Popen([sys.executable, "train.py", *tiny_args(small_text, self.b_dir)], cwd=REPO,
+        # B keeps every checkpoint (its first one is checked below); resumed with the same options
+        self.b = subprocess.Popen([sys.executable, "train.py", *tiny_args(small_text, self.b_dir, save_total_limit=0)],
+                                  cwd=REPO,
                                   env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.ddp = self._popen(
             self._ddp_launch() + [str(root / "record_batches.py"),
@@ -119,7 +121,8 @@ class Runs:
         self.b.wait()
         metrics = self.b_dir / "metrics.jsonl"
         self.killed_records = read_metrics(metrics) if metrics.exists() else []
-        self.resumed = self._popen([sys.executable, "train.py", *tiny_args(self.small_text, self.b_dir),
+        self.resumed = self._popen([sys.executable, "train.py", *tiny_args(self.small_text, self.b_dir,
+                                                                          save_total_limit=0),
                                     "--resume_from_checkpoint", "latest"])
 
     @staticmethod
@@ -309,6 +312,135 @@ def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatc
         t: {"acc": 0.5, "acc_stderr": "N/A"} for t in ("lambada_openai", "arc_easy")}
 
 
+# ---------------------------------------------------------------- checkpoints you can trust (issue 23 item 4)
+CKPT_STEPS = 8  # checkpoints at 2, 4, 6, 8
+
+
+def ckpt_args(small_text, out, **overrides):
+    return tiny_args(small_text, out, **{"max_steps": CKPT_STEPS, "save_interval": 2, "save_total_limit": 0,
+                                         "eval_interval": 0, "sample_tokens": 0, **overrides})
+
+
+@pytest.fixture(scope="module")
+def saved_run(small_text, tmp_path_factory):
+    """A tiny run that saved every 2 steps and kept all 4 checkpoints (tests resume copies of it)."""
+    import train
+
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    train.main(ckpt_args(small_text, out))
+    return out
+
+
+def _copy_run(saved_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    return out
+
+
+def _damage(path, how):
+    if how == "flip":  # one bit inside the tensor data, size unchanged
+        data = bytearray(path.read_bytes())
+        data[len(data) - 7] ^= 0x10
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_checkpoints_carry_their_config_and_a_manifest_of_every_file(saved_run):
+    from bilinear_lm.training import verify_checkpoint
+
+    ckpt = saved_run / "checkpoints" / f"step_{CKPT_STEPS}"
+    manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+    assert set(manifest) == on_disk - {"manifest.json", "CHECKPOINT_COMPLETE"}
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "trainer_state.json", "training_config.json",
+            "tokenizer/tokenizer.json"} <= set(manifest)
+    assert not any(name.startswith("custom_checkpoint") for name in manifest)  # nothing loaded with weights_only=False
+    saved = json.loads((ckpt / "training_config.json").read_text())
+    assert saved["train"]["batch_size"] == 4 and saved["data"]["block_size"] == 32
+    assert saved["model"]["hidden_size"] == 32
+    assert verify_checkpoint(ckpt) is None
+
+
+@pytest.mark.parametrize("file, how, reason", [
+    ("model.safetensors", "flip", "model.safetensors does not match its SHA-256 in the manifest (corrupted)"),
+    ("optimizer.bin", "truncate", "optimizer.bin has"),
+])
+def test_latest_falls_back_past_a_damaged_checkpoint_and_the_run_continues(saved_run, small_text, tmp_path, capsys,
+                                                                            file, how, reason):
+    import train
+
+    out = _copy_run(saved_run, tmp_path)
+    bad = out / "checkpoints" / f"step_{CKPT_STEPS}"
+    _damage(bad / file, how)
+    before = losses(read_metrics(saved_run / "metrics.jsonl"))
+    final = train.main(ckpt_args(small_text, out,
+                                 resume_from_checkpoint="latest"))
+    stdout = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {bad}: {reason}" in stdout
+    assert f"resumed from {out / 'checkpoints' / f'step_{CKPT_STEPS - 2}'} at step {CKPT_STEPS - 2}" in stdout
+    assert final["step"] == CKPT_STEPS
+    # steps 7 and 8 were trained again from step 6, exactly as the first time; step 8 was saved afresh and is valid
+    assert losses(read_metrics(out / "metrics.jsonl")) == before
+    from bilinear_lm.training import verify_checkpoint
+
+    assert verify_checkpoint(bad) is None
+
+
+def test_an_explicitly_named_damaged_checkpoint_is_a_one_line_error(saved_run, small_text, tmp_path, capsys):
+    import train
+
+    out = _copy_run(saved_run, tmp_path)
+    bad = out / "checkpoints" / "step_4"
+    _damage(bad / "model.safetensors", "truncate")
+    assert train.cli(ckpt_args(small_text, out, resume_from_checkpoint=str(bad))) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --resume_from_checkpoint '{bad}': the checkpoint is "
+                                                    f"damaged: model.safetensors has ")
+    assert "Traceback" not in err
+
+
+def test_resuming_with_another_model_option_is_an_error_naming_it(saved_run, small_text, tmp_path):
+    import train
+
+    out = _copy_run(saved_run, tmp_path)
+    with pytest.raises(TrainingInputError, match=r"the model differs from the checkpoint's "
+                                                 r"\(--model.hidden_size 32 -> 48\)") as err:
+        train.main(ckpt_args(small_text, out, resume_from_checkpoint="latest", **{"model.hidden_size": 48}))
+    assert "\n" not in str(err.value)
+    with pytest.raises(TrainingInputError, match=r"--model.hidden_size 32 -> 48"):  # --allow_config_change or not
+        train.main(ckpt_args(small_text, out, resume_from_checkpoint="latest", allow_config_change="true",
+                             **{"model.hidden_size": 48}))
+
+
+def test_resuming_with_another_batch_size_needs_allow_config_change(saved_run, small_text, tmp_path, capsys):
+    import train
+
+    out = _copy_run(saved_run, tmp_path)
+    with pytest.raises(TrainingInputError, match=r"the data or optimization differs from the checkpoint's "
+                                                 r"\(--batch_size 4 -> 2\).*pass --allow_config_change"):
+        train.main(ckpt_args(small_text, out, resume_from_checkpoint="latest", batch_size=2))
+    capsys.readouterr()
+    # options that may change do not need the flag: max_steps (the run goes on), logging and saving intervals
+    final = train.main(ckpt_args(small_text, out, resume_from_checkpoint="latest", batch_size=2,
+                                 allow_config_change="true", max_steps=CKPT_STEPS + 2, log_interval=2))
+    stdout = capsys.readouterr().out
+    assert "--batch_size 4 -> 2; --allow_config_change" in stdout and f"at step {CKPT_STEPS}" in stdout
+    assert final["step"] == CKPT_STEPS + 2
+    saved = json.loads((out / "checkpoints" / f"step_{CKPT_STEPS + 2}" / "training_config.json").read_text())
+    assert saved["train"]["batch_size"] == 2  # the next resume compares with the options it ran with
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints(small_text, tmp_path):
+    import train
+
+    out = tmp_path / "run"
+    train.main(ckpt_args(small_text, out, save_total_limit=2))  # 4 saves
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{CKPT_STEPS - 2}", f"step_{CKPT_STEPS}"]
+
+
 # -------------------------------------------------- subprocess runs (started at module start, checked last)
 def test_end_to_end_checkpoint_metrics_plot_and_sample(runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -382,7 +514,8 @@ def test_two_rank_cpu_ddp(runs):
     final = records[-1]
     assert final["num_processes"] == 2 and final["params_identical_across_ranks"] is True
     assert {p.name for p in (runs.ddp_dir / "checkpoints" / "step_4").iterdir()} >= {
-        "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "CHECKPOINT_COMPLETE"}
+        "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "manifest.json", "training_config.json",
+        "CHECKPOINT_COMPLETE"}
 
 
 def test_two_rank_cpu_ddp_fails_on_every_rank_when_the_main_one_fails(runs):

@@ -328,3 +328,125 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
                                                  r"vocabulary of 5 ids .*--model.vocab_size 41"):
         train.check_token_ids(blocks, 5)
     train.check_token_ids(blocks, 41)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _fake_checkpoint(root, step, complete=True):
+    """OUTPUT_DIR/checkpoints/step_N with a few files and a manifest, like save_checkpoint writes (no training)."""
+    from bilinear_lm.training.checkpoint import DONE_MARKER, write_manifest
+
+    path = root / "checkpoints" / f"step_{step}"
+    (path / "tokenizer").mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (path / "tokenizer" / "tokenizer.json").write_text("{}")
+    write_manifest(path)
+    if complete:
+        (path / DONE_MARKER).write_text(f"{step}\n")
+    return path
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (None, None),
+    ("flip", r"model.safetensors does not match its SHA-256 in the manifest \(corrupted\)"),
+    ("truncate", r"model.safetensors has 1000 bytes, the manifest says 1024 \(truncated"),
+    ("delete", r"tokenizer/tokenizer.json is missing"),
+    ("manifest", r"its manifest.json is unreadable"),
+])
+def test_verify_checkpoint_names_what_is_wrong(tmp_path, damage, reason):
+    from bilinear_lm.training import verify_checkpoint
+
+    path = _fake_checkpoint(tmp_path, 2)
+    weights = path / "model.safetensors"
+    if damage == "flip":
+        data = bytearray(weights.read_bytes())
+        data[500] ^= 0x01
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "delete":
+        (path / "tokenizer" / "tokenizer.json").unlink()
+    elif damage == "manifest":
+        (path / "manifest.json").write_text('{"files": [')
+    problem = verify_checkpoint(path)
+    assert problem is None if reason is None else re.fullmatch(reason + ".*", problem), problem
+
+
+def test_latest_skips_damaged_and_incomplete_checkpoints_with_a_warning_and_a_named_one_is_an_error(tmp_path):
+    from bilinear_lm.training import find_checkpoint
+
+    _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4)
+    (_fake_checkpoint(tmp_path, 6) / "model.safetensors").write_bytes(b"short")
+    _fake_checkpoint(tmp_path, 8, complete=False)
+    warnings = []
+    assert find_checkpoint(str(tmp_path), "latest", warn=warnings.append) == tmp_path / "checkpoints" / "step_4"
+    assert warnings == [f"warning: skipping checkpoint {tmp_path / 'checkpoints' / 'step_6'}: model.safetensors has "
+                        f"5 bytes, the manifest says 1024 (truncated or overwritten); trying the previous one"]
+    with pytest.raises(TrainingInputError, match=r"step_6'?: the checkpoint is damaged: model.safetensors has 5 "
+                                                 r"bytes") as err:
+        find_checkpoint(str(tmp_path / "checkpoints" / "step_6"), str(tmp_path / "checkpoints" / "step_6"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(TrainingInputError, match="not a complete checkpoint directory"):
+        find_checkpoint(str(tmp_path), str(tmp_path / "checkpoints" / "step_8"))
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step_{step}" / "model.safetensors").write_bytes(b"")
+    assert find_checkpoint(str(tmp_path), "latest", warn=warnings.append) is None and len(warnings) == 4
+
+
+def test_prune_keeps_the_newest_complete_checkpoints_and_never_partial_or_just_written_ones(tmp_path):
+    from bilinear_lm.training import prune_checkpoints
+
+    for step in (2, 4, 6, 10):
+        _fake_checkpoint(tmp_path, step)
+    partial = _fake_checkpoint(tmp_path, 12, complete=False)
+    tmp = tmp_path / "checkpoints" / ".tmp_step_14"
+    tmp.mkdir()
+    deleted = prune_checkpoints(str(tmp_path), 2, keep=tmp_path / "checkpoints" / "step_10")
+    assert sorted(p.name for p in deleted) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".tmp_step_14", "step_10", "step_12",
+                                                                           "step_6"]
+    assert partial.exists() and tmp.exists()
+    # the one just written survives even when it is not among the newest (a run resumed from an older checkpoint)
+    assert prune_checkpoints(str(tmp_path), 1, keep=tmp_path / "checkpoints" / "step_6") == []
+    assert (tmp_path / "checkpoints" / "step_6").exists() and (tmp_path / "checkpoints" / "step_10").exists()
+
+
+def test_every_option_is_classified_for_resume_and_the_flags_parse():
+    from dataclasses import fields
+
+    from bilinear_lm.training import DataConfig, TrainConfig
+    from bilinear_lm.training.checkpoint import RESUME_CHANGE_ALLOWED_WITH_FLAG, RESUME_FREE, RESUME_MUST_MATCH
+
+    names = [f.name for cls in (DataConfig, TrainConfig) for f in fields(cls)]
+    sets = (RESUME_MUST_MATCH, RESUME_CHANGE_ALLOWED_WITH_FLAG, RESUME_FREE)
+    assert {n: sum(n in s for s in sets) for n in names} == {n: 1 for n in names}
+    assert set().union(*sets) == set(names)
+    cfg = parse_config(["--save_total_limit", "2", "--allow_config_change"])
+    assert cfg.train.save_total_limit == 2 and cfg.train.allow_config_change is True
+    assert parse_config([]).train.save_total_limit == 3 and parse_config([]).train.allow_config_change is False
+    with pytest.raises(TrainingInputError, match="--save_total_limit must be 0"):
+        parse_config(["--save_total_limit", "-1"])
+
+
+def test_config_check_names_changed_model_options_and_gates_data_changes(tmp_path):
+    from bilinear_lm.training import check_config_change
+    from bilinear_lm.training.checkpoint import CONFIG_FILE, config_record
+
+    base = ["--config", PRESET, "--batch_size", "4", "--model.hidden_size", "32"]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config_record(parse_config(base))))
+    warnings = []
+    check_config_change(tmp_path, parse_config(base + ["--max_steps", "7", "--eval_interval", "3",
+                                                       "--model.recurrence_impl", "chunked"]), warn=warnings.append)
+    assert warnings == []
+    with pytest.raises(TrainingInputError, match=r"the model differs from the checkpoint's \(--model_type bilinear -> "
+                                                 r"llama, --model.hidden_size 32 -> 48, --model.state_size 48 -> 16\)"):
+        check_config_change(tmp_path, parse_config(base + ["--model.hidden_size", "48", "--model.state_size", "16",
+                                                           "--model_type", "llama"]))
+    with pytest.raises(TrainingInputError, match=r"\(--block_size 64 -> 32, --tokenizer char -> bpe\).*"
+                                                 r"--allow_config_change"):
+        check_config_change(tmp_path, parse_config(base + ["--block_size", "32", "--tokenizer", "bpe"]))
+    check_config_change(tmp_path, parse_config(base + ["--batch_size", "8", "--allow_config_change"]),
+                        warn=warnings.append)
+    assert len(warnings) == 1 and "--batch_size 4 -> 8" in warnings[0]
+    # the model default is the same value written out: no change
+    check_config_change(tmp_path, parse_config(base + ["--model.rms_norm_eps", "1e-5"]))

@@ -1,16 +1,35 @@
-"""Checkpoints: `accelerator.save_state` plus the `TrainState`, written so that a killed run never leaves a
-checkpoint that looks complete but is not (temporary directory, marker file last, atomic rename)."""
+"""Checkpoints you can trust: `accelerator.save_state` plus the `TrainState` and the run's configuration, written
+so that a killed run never leaves a checkpoint that looks complete but is not (temporary directory, a manifest of
+every file's size and SHA-256, the marker file last, atomic rename), verified against the manifest before use, and
+pruned to the newest `--save_total_limit`.
+
+    OUTPUT_DIR/checkpoints/step_N/
+        model.safetensors, optimizer.bin, scheduler.bin, random_states_R.pkl   accelerator.save_state
+        tokenizer/                 the run's tokenizer (a resumed run loads it from here)
+        trainer_state.json         TrainState
+        training_config.json       Config: data, train, model (compared with the resuming run's: check_config_change)
+        manifest.json              {"files": {relative path: {"size": bytes, "sha256": hex}}} of all the above
+        CHECKPOINT_COMPLETE        written last
+
+Only JSON is read here; the pickles are read by `accelerator.load_state` with `weights_only=True` (Accelerate's
+default: we register no custom objects, whose loading it does with weights_only=False), and only after the manifest
+matched. The manifest catches truncation and bit rot, not tampering (whoever can rewrite a file can rewrite it).
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Callable
 
-from .config import TrainingInputError
+from .config import Config, TrainingInputError, model_key_types
 
 DONE_MARKER = "CHECKPOINT_COMPLETE"
+MANIFEST = "manifest.json"
+CONFIG_FILE = "training_config.json"
 
 
 @dataclass
@@ -29,21 +48,162 @@ class TrainState:
         return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})  # older ones lack train_seconds
 
 
-def find_checkpoint(output_dir: str, spec: str) -> Path | None:
-    """`latest` -> newest complete OUTPUT_DIR/checkpoints/step_N (None if there is none); else a path."""
+# --------------------------------------------------------------------------------------------- manifest
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """`directory`/manifest.json: the size and SHA-256 of every file under it (but the manifest and the marker)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in (MANIFEST, DONE_MARKER))
+    manifest = {"files": {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                          for p in files}}
+    with open(directory / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used (None: it is complete and every file matches its manifest).
+    A checkpoint written before manifests existed (none, but the marker) passes unverified."""
+    if not (path / DONE_MARKER).exists():
+        return f"incomplete (no {DONE_MARKER} marker)"
+    if not (path / MANIFEST).exists():
+        return None  # written before checkpoints had a manifest: nothing to check against
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        expected = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"its {MANIFEST} is unreadable ({type(err).__name__})"
+    for name, (size, sha256) in expected.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+        if _sha256(file) != sha256:
+            return f"{name} does not match its SHA-256 in the manifest (corrupted)"
+    return None
+
+
+def find_checkpoint(output_dir: str, spec: str, warn: Callable[[str], None] = print) -> Path | None:
+    """`latest` -> the newest OUTPUT_DIR/checkpoints/step_N that is complete and matches its manifest (None if there
+    is none), `warn`ing about each newer one skipped and why; else the checkpoint at path `spec`, which must be
+    complete and valid (else a one-line TrainingInputError)."""
     if spec == "latest":
         done = [p for p in (Path(output_dir) / "checkpoints").glob("step_*") if (p / DONE_MARKER).exists()]
-        return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+        for path in sorted(done, key=_step, reverse=True):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            warn(f"warning: skipping checkpoint {path}: {problem}; trying the previous one")
+        return None
     path = Path(spec)
     if not (path / DONE_MARKER).exists():
         raise TrainingInputError(f"--resume_from_checkpoint {spec!r}: not a complete checkpoint directory "
                                  f"(expected {path / DONE_MARKER}); use 'latest' or OUTPUT_DIR/checkpoints/step_N")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise TrainingInputError(f"--resume_from_checkpoint {spec!r}: the checkpoint is damaged: {problem}; resume "
+                                 f"from another one (--resume_from_checkpoint latest skips damaged ones)")
     return path
 
 
-def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer) -> None:
-    """accelerator.save_state into a temporary directory, marker written last, then an atomic rename to
-    OUTPUT_DIR/checkpoints/step_N. Every process calls it."""
+def _step(path: Path) -> int:
+    try:
+        return int(path.name.split("_")[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+# ------------------------------------------------------------------------------------------------ config
+# What a resumed run may change, by field of DataConfig and TrainConfig (a test checks that every field is in exactly
+# one of the sets, so a new option has to be placed):
+#   RESUME_MUST_MATCH      the model: the checkpoint's weights and optimizer state have its shapes. Always an error.
+#   RESUME_CHANGE_ALLOWED_WITH_FLAG   the data, its batching and the optimization: the run would not continue the
+#                          checkpoint's (another data position, another tokenization, hyperparameters the restored
+#                          optimizer and scheduler partly override). An error unless --allow_config_change.
+#   RESUME_FREE            how long to train and what to report: max_steps (extends or shortens the cosine schedule),
+#                          the logging / evaluation / checkpoint intervals and limits, trackers, the final sample and
+#                          lm-eval, DataLoader workers, autocast precision (another device may want another), where the
+#                          run writes, and the resume flags themselves. Never checked.
+# The `--model.KEY`s all must match but for MODEL_RUNTIME_KEYS (how the same weights are computed, not what they are).
+RESUME_MUST_MATCH = {"model_type"}
+RESUME_CHANGE_ALLOWED_WITH_FLAG = {
+    "dataset", "dataset_config", "train_file", "validation_file", "text_column", "val_fraction", "add_eos",
+    "tokenizer", "bpe_vocab_size", "block_size", "batch_size", "gradient_accumulation_steps", "seed",
+    "learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"}
+RESUME_FREE = {
+    "config", "max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "save_total_limit",
+    "resume_from_checkpoint", "allow_config_change", "output_dir", "report_to", "sample_tokens", "sample_prompt",
+    "eval_lm_harness", "lm_harness_limit", "num_workers", "mixed_precision"}
+MODEL_RUNTIME_KEYS = {"recurrence_impl", "use_cache"}
+
+
+def config_record(cfg: Config) -> dict:
+    """The configuration as saved with a checkpoint (`training_config.json`)."""
+    return {"data": asdict(cfg.data), "train": asdict(cfg.train), "model": dict(cfg.model)}
+
+
+def _show(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def check_config_change(checkpoint: Path, cfg: Config, warn: Callable[[str], None] = print) -> None:
+    """Compare the resuming run's configuration with the one saved in `checkpoint`: a changed model option is a
+    one-line TrainingInputError naming each option and both values; a changed data / batching / optimization option
+    is one too unless --allow_config_change (then a warning). Checkpoints from before the config was saved pass with
+    a warning."""
+    if not (checkpoint / CONFIG_FILE).exists():
+        warn(f"warning: {checkpoint} has no {CONFIG_FILE} (saved before checkpoints recorded their configuration): "
+             f"cannot check that this run's options match it")
+        return
+    saved = json.loads((checkpoint / CONFIG_FILE).read_text())  # verified against the manifest already
+    now = config_record(cfg)
+    old_flat = {**saved.get("data", {}), **saved.get("train", {})}
+    new_flat = {**now["data"], **now["train"]}
+    missing = object()
+
+    def changes(keys):
+        return [f"--{k} {_show(old_flat[k])} -> {_show(new_flat[k])}" for k in sorted(keys)
+                if k in old_flat and old_flat[k] != new_flat.get(k, missing)]
+
+    from bilinear_lm import BilinearConfig
+
+    def model_default(key):
+        return None if key == "vocab_size" else getattr(BilinearConfig, key, None)
+
+    old_model, new_model = saved.get("model", {}), now["model"]
+    model_changes = changes(RESUME_MUST_MATCH) + [
+        f"--model.{k} {_show(old_model.get(k, model_default(k)))} -> {_show(new_model.get(k, model_default(k)))}"
+        for k in sorted((set(old_model) | set(new_model)) & set(model_key_types()) - MODEL_RUNTIME_KEYS)
+        if old_model.get(k, model_default(k)) != new_model.get(k, model_default(k))]
+    if model_changes:
+        raise TrainingInputError(f"--resume_from_checkpoint {checkpoint}: the model differs from the checkpoint's "
+                                 f"({', '.join(model_changes)}): resume with the checkpoint's values or start a new "
+                                 f"--output_dir")
+    other_changes = changes(RESUME_CHANGE_ALLOWED_WITH_FLAG)
+    if other_changes and not cfg.train.allow_config_change:
+        raise TrainingInputError(f"--resume_from_checkpoint {checkpoint}: the data or optimization differs from the "
+                                 f"checkpoint's ({', '.join(other_changes)}): resume with the checkpoint's values, or "
+                                 f"pass --allow_config_change to continue with the new ones (the run will not "
+                                 f"reproduce an uninterrupted one)")
+    if other_changes:
+        warn(f"warning: resuming {checkpoint} with changed options ({', '.join(other_changes)}; "
+             f"--allow_config_change): the run will not reproduce an uninterrupted one")
+
+
+# ------------------------------------------------------------------------------------------------- save
+def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, cfg: Config | None = None,
+                    total_limit: int = 0) -> None:
+    """accelerator.save_state into a temporary directory, the tokenizer, TrainState and config next to it, the
+    manifest, the marker written last, then an atomic rename to OUTPUT_DIR/checkpoints/step_N; then keep only the
+    newest `total_limit` complete checkpoints (0: all). Every process calls it."""
     final = Path(output_dir) / "checkpoints" / f"step_{state.step}"
     tmp = final.with_name(f".tmp_step_{state.step}")
     if accelerator.is_main_process:
@@ -54,6 +214,9 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer) 
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp / "tokenizer")
         (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+        if cfg is not None:
+            (tmp / CONFIG_FILE).write_text(json.dumps(config_record(cfg), indent=1))
+        write_manifest(tmp)
         with open(tmp / DONE_MARKER, "w") as f:
             f.write(f"{state.step}\n")
             f.flush()
@@ -61,4 +224,24 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer) 
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        if total_limit:
+            prune_checkpoints(output_dir, total_limit, keep=final)
     accelerator.wait_for_everyone()
+
+
+def prune_checkpoints(output_dir: str, total_limit: int, keep: Path) -> list[Path]:
+    """Delete the complete OUTPUT_DIR/checkpoints/step_N but the newest `total_limit` by step, and never `keep`, the
+    one just written (older than some when the run resumed from an older checkpoint: both stay, and the newer ones
+    are replaced as the run saves at their steps); partial ones (.tmp_step_N, no marker) are not touched. Returns the
+    deleted ones.
+
+    Not Accelerate's ProjectConfiguration(total_limit=...): it works only with its automatic checkpoint_N naming
+    inside save_state, which counts every directory (partial ones included) and would delete before our save is
+    complete."""
+    done = sorted((p for p in (Path(output_dir) / "checkpoints").glob("step_*") if (p / DONE_MARKER).exists()),
+                  key=_step, reverse=True)
+    doomed = [p for p in done[total_limit:] if p.resolve() != keep.resolve()]
+    for path in doomed:
+        (path / DONE_MARKER).unlink()  # first: a deletion cut short leaves a partial checkpoint, not a broken one
+        shutil.rmtree(path)
+    return doomed

@@ -88,7 +88,13 @@ class TrainConfig:
     eval_interval: int = HfArg(default=200, help="steps between validations (0 = none)")
     eval_iters: int = HfArg(default=50, help="validation batches per evaluation (0 = the whole split)")
     save_interval: int = HfArg(default=500, help="steps between checkpoints (0 = only the final model)")
-    resume_from_checkpoint: str | None = HfArg(default=None, help="latest, or OUTPUT_DIR/checkpoints/step_N")
+    save_total_limit: int = HfArg(default=3, help="keep the newest N complete checkpoints, delete older ones after "
+                                  "each save (0 = keep all); 3 leaves two to fall back to when the newest is damaged")
+    resume_from_checkpoint: str | None = HfArg(default=None, help="latest (the newest complete checkpoint that "
+                                               "matches its manifest; damaged ones are skipped with a warning), or "
+                                               "OUTPUT_DIR/checkpoints/step_N")
+    allow_config_change: bool = HfArg(default=False, help="resume with other data, batching or optimization options "
+                                      "than the checkpoint's (the model options must always match)")
     report_to: str = HfArg(default="none", help="Accelerate trackers: none, tensorboard, wandb, ...")
     sample_tokens: int = HfArg(default=200, help="tokens generated at the end (0 = no sample)")
     sample_prompt: str | None = HfArg(default=None, help="default: the start of the validation text")
@@ -99,6 +105,8 @@ class TrainConfig:
         for key in ("batch_size", "gradient_accumulation_steps", "log_interval"):
             if getattr(self, key) < 1:
                 raise TrainingInputError(f"--{key} must be a positive integer, got {getattr(self, key)}")
+        if self.save_total_limit < 0:
+            raise TrainingInputError(f"--save_total_limit must be 0 (keep all) or positive, got {self.save_total_limit}")
 
 
 class Config(NamedTuple):
