@@ -433,6 +433,24 @@ def test_resuming_with_another_batch_size_needs_allow_config_change(saved_run, s
     assert saved["train"]["batch_size"] == 2  # the next resume compares with the options it ran with
 
 
+def test_resume_unpickles_only_with_weights_only(saved_run, small_text, tmp_path, monkeypatch):
+    """Every torch.load of a resume (Accelerate's, of optimizer.bin, scheduler.bin, the RNG states) is weights_only;
+    the rest of a checkpoint is JSON and safetensors."""
+    import train
+
+    out = _copy_run(saved_run, tmp_path)
+    calls, real_load = [], torch.load
+
+    def recording_load(f, *args, **kwargs):
+        calls.append((Path(str(f)).name, kwargs.get("weights_only")))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    assert train.main(ckpt_args(small_text, out, resume_from_checkpoint="latest"))["step"] == CKPT_STEPS
+    assert {"optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= {name for name, _ in calls}
+    assert all(weights_only is True for _, weights_only in calls), calls
+
+
 def test_save_total_limit_keeps_the_newest_checkpoints(small_text, tmp_path):
     import train
 

@@ -450,3 +450,16 @@ def test_config_check_names_changed_model_options_and_gates_data_changes(tmp_pat
     assert len(warnings) == 1 and "--batch_size 4 -> 8" in warnings[0]
     # the model default is the same value written out: no change
     check_config_change(tmp_path, parse_config(base + ["--model.rms_norm_eps", "1e-5"]))
+
+
+def test_a_checkpoint_from_before_manifests_is_used_with_a_warning(tmp_path):
+    from bilinear_lm.training import find_checkpoint, verify_checkpoint
+
+    path = _fake_checkpoint(tmp_path, 2)
+    (path / "manifest.json").unlink()
+    warnings = []
+    assert verify_checkpoint(path) is None
+    assert find_checkpoint(str(tmp_path), "latest", warn=warnings.append) == path
+    assert find_checkpoint(str(path), str(path), warn=warnings.append) == path
+    assert warnings == [f"warning: {path} has no manifest.json (saved before checkpoints had one): using it "
+                        f"unverified"] * 2

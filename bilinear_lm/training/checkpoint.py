@@ -100,7 +100,7 @@ def find_checkpoint(output_dir: str, spec: str, warn: Callable[[str], None] = pr
         for path in sorted(done, key=_step, reverse=True):
             problem = verify_checkpoint(path)
             if problem is None:
-                return path
+                return _warn_if_unverified(path, warn)
             warn(f"warning: skipping checkpoint {path}: {problem}; trying the previous one")
         return None
     path = Path(spec)
@@ -111,6 +111,12 @@ def find_checkpoint(output_dir: str, spec: str, warn: Callable[[str], None] = pr
     if problem is not None:
         raise TrainingInputError(f"--resume_from_checkpoint {spec!r}: the checkpoint is damaged: {problem}; resume "
                                  f"from another one (--resume_from_checkpoint latest skips damaged ones)")
+    return _warn_if_unverified(path, warn)
+
+
+def _warn_if_unverified(path: Path, warn: Callable[[str], None]) -> Path:
+    if not (path / MANIFEST).exists():
+        warn(f"warning: {path} has no {MANIFEST} (saved before checkpoints had one): using it unverified")
     return path
 
 
