@@ -106,7 +106,8 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise TrainingInputError(f"--{key} must be a positive integer, got {getattr(self, key)}")
         if self.save_total_limit < 0:
-            raise TrainingInputError(f"--save_total_limit must be 0 (keep all) or positive, got {self.save_total_limit}")
+            raise TrainingInputError(f"--save_total_limit must be 0 (keep all) or positive, got "
+                                     f"{self.save_total_limit}")
 
 
 class Config(NamedTuple):
