@@ -285,6 +285,31 @@ def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys
     assert f"vocab 65, {cut // 32} train / {(len(text) - cut) // 32} val blocks of 32" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag, runs_in", [([], "bf16"), (["--mixed_precision", "no"], "no")])
+def test_mixed_precision_is_the_launchers_unless_train_py_is_given_one(small_text, tmp_path, capsys, monkeypatch,
+                                                                       flag, runs_in):
+    """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: with no
+    --mixed_precision of its own (the preset here sets none) train.py runs in it, and says so; an explicit one wins."""
+    import train
+    from accelerate.state import AcceleratorState
+
+    from bilinear_lm.training import distributed
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setattr(distributed, "cpu_has_native_bf16", lambda: False)
+    args = ["--train_file", small_text, "--tokenizer", "char", "--output_dir", str(tmp_path), "--max_steps", "1",
+            "--block_size", "16", "--batch_size", "2", "--eval_interval", "0", "--save_interval", "0",
+            "--sample_tokens", "0", *(f"--model.{k}={v}" for k, v in TINY_MODEL.items()), *flag]
+    AcceleratorState._reset_state(reset_partial_state=True)  # the in-process runs before this one set it to no
+    try:
+        train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    out = capsys.readouterr().out
+    assert f"tokens per optimizer step), mixed precision {runs_in}\n" in out
+    assert ("--mixed_precision bf16 on a CPU without native bf16" in out) == (runs_in == "bf16")
+
+
 def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatch):
     lm_harness = pytest.importorskip("bilinear_lm.evaluation.harness")
     import train

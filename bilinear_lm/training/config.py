@@ -81,7 +81,9 @@ class TrainConfig:
     beta1: float = HfArg(default=0.9, help="AdamW beta1")
     beta2: float = HfArg(default=0.95, help="AdamW beta2")
     grad_clip: float = HfArg(default=1.0, help="gradient norm clip (0 disables)")
-    mixed_precision: Literal["no", "bf16", "fp16"] = HfArg(default="no", help="autocast precision")
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = HfArg(
+        default=None, help="autocast precision; default: the launcher's (`accelerate launch --mixed_precision` or its "
+                           "config file), else no")
     seed: int = HfArg(default=1337, help="initialization, data order and sampling seed")
     output_dir: str = HfArg(default="out", help="metrics, checkpoints, loss plot and the final model")
     log_interval: int = HfArg(default=10, help="steps between training-loss records")
