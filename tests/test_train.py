@@ -7,6 +7,7 @@ whole file stays well under a minute and a half on 2 shared cores.
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,6 +270,45 @@ def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
     with pytest.raises((TrainingInputError, DataError), match=message):
         train.main(args)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"text": "a"}\n\n{"text": "b"\n',
+             "bad.yaml": b"max_steps: 3\nlearning_rate: [1e-3\n", "a_directory": None}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--train_file", "binary.txt"], r"training file '.*binary.txt' is not UTF-8 text: byte 0xff at offset 13 "
+                                     r"\(invalid start byte\); pass a text file, or convert it"),
+    (["--train_file", "bad.jsonl"], r"training file '.*bad.jsonl', line 3: not valid JSON \(Expecting ',' delimiter, "
+                                    r"column 13\); every line of a .jsonl file is one JSON object"),
+    (["--config", "bad.yaml"], r"--config '.*bad.yaml': not valid YAML \(while parsing a flow sequence .* line 2, "),
+    (["--learning_rate", "-1e-3"], r"--learning_rate must be >= 0, got -0.001: pass the peak learning rate as a "
+                                   r"positive number"),
+    (["--batch_size", "0"], r"--batch_size must be a positive integer, got 0"),
+    (["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps must be a positive integer, got 0"),
+    (["--mixed_precision", "fp8x"], r"argument --mixed_precision/--mixed-precision: invalid choice: 'fp8x' \(choose "
+                                    r"from 'no', 'bf16', 'fp16'\)"),
+    (["--train_file", "a_directory"], r"training file '.*a_directory' is a directory, not a file; pass a .txt or "
+                                      r".jsonl file"),
+])
+def test_bad_input_is_one_line_naming_the_problem_and_the_fix(small_text, tmp_path, capsys, bad, message):
+    import train
+
+    for name, content in BAD_FILES.items():
+        (tmp_path / name).mkdir() if content is None else (tmp_path / name).write_bytes(content)
+    bad = [str(tmp_path / arg) if arg in BAD_FILES else arg for arg in bad]
+    assert train.cli(tiny_args(small_text, tmp_path / "out") + bad) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.fullmatch(f"error: {message}.*\n", err), err
+
+
+def test_learning_rate_0_warns_and_trains(small_text, tmp_path, caplog):
+    import train
+
+    final = train.main(tiny_args(small_text, tmp_path / "out", learning_rate=0, max_steps=1, eval_interval=0,
+                                 save_interval=0, sample_tokens=0))
+    assert final["step"] == 1
+    assert "--learning_rate 0: the weights will not change (training runs anyway)" in caplog.text
 
 
 def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys, monkeypatch):
