@@ -277,12 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(cfg.train.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=cfg.train.mixed_precision,  # None: the launcher's (ACCELERATE_MIXED_PRECISION), else no
         log_with=None if cfg.train.report_to == "none" else cfg.train.report_to,
         project_dir=str(out_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
     )
-    warning = bf16_cpu_warning(cfg.train.mixed_precision, accelerator.device.type)
+    warning = bf16_cpu_warning(accelerator.mixed_precision, accelerator.device.type)
     if warning:
         accelerator.print(warning)
     set_seed(cfg.train.seed)
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{len(data.blocks['train'])} train / {len(data.blocks['validation'])} val blocks of {cfg.data.block_size}\n"
         f"{n_proc} process{'es' if n_proc > 1 else ''} ({accelerator.distributed_type.value}), global batch "
         f"{batch * n_proc * accum} sequences = batch_size {batch} x {n_proc} processes x {accum} accumulation steps "
-        f"({batch * n_proc * accum * cfg.data.block_size} tokens per optimizer step)")
+        f"({batch * n_proc * accum * cfg.data.block_size} tokens per optimizer step), mixed precision "
+        f"{accelerator.mixed_precision}")
     model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
         model, optimizer, data.train_dl, data.val_dl, scheduler)
 

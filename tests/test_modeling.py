@@ -256,6 +256,33 @@ def test_bad_input_ids_raise_a_clear_error(tiny_bilinear_config):
         model.generate(torch.tensor([[1, V + 5]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="at least one position"):
         model(inputs_embeds=torch.zeros(1, 0, tiny_bilinear_config.hidden_size))
+    with pytest.raises(ValueError, match=r"got shape \(0, 3\); pass at least one row of at least one token"):
+        model(torch.zeros(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"no rows or no positions \(shape \(0, 2, \d+\)\)"):
+        model(inputs_embeds=torch.zeros(0, 2, tiny_bilinear_config.hidden_size))
+
+
+def test_an_attention_mask_that_does_not_fit_the_inputs_is_a_clear_error(tiny_bilinear_config):
+    model = build(tiny_bilinear_config).eval()
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 5))
+    for mask in (torch.ones(3, 5), torch.ones(2, 4), torch.ones(2, 7), torch.ones(5)):
+        with pytest.raises(ValueError, match=rf"attention_mask of shape \({', '.join(map(str, mask.shape))},?\) does "
+                                             r"not fit the inputs' \[batch, seq_len\] = \[2, 5\]: pass a mask of "
+                                             r"shape \[2, 5\]$"):
+            model(ids, attention_mask=mask, use_cache=False)
+    def cache():
+        return model(ids, attention_mask=torch.ones(2, 5), use_cache=True).past_key_values
+
+    step = ids[:, :1]
+    with pytest.raises(ValueError, match=r"of shape \(2, 4\) does not fit the inputs' \[batch, seq_len\] = \[2, 1\] "
+                                         r"after 5 cached tokens: pass a mask of shape \[2, 1\] or \[2, 6\]"):
+        model(step, attention_mask=torch.ones(2, 4), past_key_values=cache())
+    # the whole sequence's mask, as generate() passes it, and this call's columns alone are the same call
+    whole = model(step, attention_mask=torch.ones(2, 6), past_key_values=cache()).logits
+    assert torch.equal(whole, model(step, attention_mask=torch.ones(2, 1), past_key_values=cache()).logits)
+    padded = torch.ones(2, 5, dtype=torch.long)
+    padded[0, :2] = 0  # left padding, through generate()
+    assert model.generate(ids, attention_mask=padded, max_new_tokens=3, do_sample=False).shape == (2, 8)
 
 
 def test_short_conv_equals_an_explicit_causal_loop_and_starts_as_the_identity(tiny_bilinear_config):

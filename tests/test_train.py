@@ -7,6 +7,7 @@ whole file stays well under a minute and a half on 2 shared cores.
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,6 +275,45 @@ def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"text": "a"}\n\n{"text": "b"\n',
+             "bad.yaml": b"max_steps: 3\nlearning_rate: [1e-3\n", "a_directory": None}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--train_file", "binary.txt"], r"training file '.*binary.txt' is not UTF-8 text: byte 0xff at offset 13 "
+                                     r"\(invalid start byte\); pass a text file, or convert it"),
+    (["--train_file", "bad.jsonl"], r"training file '.*bad.jsonl', line 3: not valid JSON \(Expecting ',' delimiter, "
+                                    r"column 13\); every line of a .jsonl file is one JSON object"),
+    (["--config", "bad.yaml"], r"--config '.*bad.yaml': not valid YAML \(while parsing a flow sequence .* line 2, "),
+    (["--learning_rate", "-1e-3"], r"--learning_rate must be >= 0, got -0.001: pass the peak learning rate as a "
+                                   r"positive number"),
+    (["--batch_size", "0"], r"--batch_size must be a positive integer, got 0"),
+    (["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps must be a positive integer, got 0"),
+    (["--mixed_precision", "fp8x"], r"argument --mixed_precision/--mixed-precision: invalid choice: 'fp8x' \(choose "
+                                    r"from 'no', 'bf16', 'fp16'\)"),
+    (["--train_file", "a_directory"], r"training file '.*a_directory' is a directory, not a file; pass a .txt or "
+                                      r".jsonl file"),
+])
+def test_bad_input_is_one_line_naming_the_problem_and_the_fix(small_text, tmp_path, capsys, bad, message):
+    import train
+
+    for name, content in BAD_FILES.items():
+        (tmp_path / name).mkdir() if content is None else (tmp_path / name).write_bytes(content)
+    bad = [str(tmp_path / arg) if arg in BAD_FILES else arg for arg in bad]
+    assert train.cli(tiny_args(small_text, tmp_path / "out") + bad) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.fullmatch(f"error: {message}.*\n", err), err
+
+
+def test_learning_rate_0_warns_and_trains(small_text, tmp_path, caplog):
+    import train
+
+    final = train.main(tiny_args(small_text, tmp_path / "out", learning_rate=0, max_steps=1, eval_interval=0,
+                                 save_interval=0, sample_tokens=0))
+    assert final["step"] == 1
+    assert "--learning_rate 0: the weights will not change (training runs anyway)" in caplog.text
+
+
 def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys, monkeypatch):
     """No --dataset or --train_file (the presets name no local file): train.py trains, offline, on the Tiny
     Shakespeare text shipped with the package, its last 10% held out (nanoGPT's split)."""
@@ -286,6 +326,31 @@ def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys
     text = SHAKESPEARE.read_text()
     cut = int(len(text) * 0.9)  # one token per character (the preset's char tokenizer)
     assert f"vocab 65, {cut // 32} train / {(len(text) - cut) // 32} val blocks of 32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, runs_in", [([], "bf16"), (["--mixed_precision", "no"], "no")])
+def test_mixed_precision_is_the_launchers_unless_train_py_is_given_one(small_text, tmp_path, capsys, monkeypatch,
+                                                                       flag, runs_in):
+    """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: with no
+    --mixed_precision of its own (the preset here sets none) train.py runs in it, and says so; an explicit one wins."""
+    import train
+    from accelerate.state import AcceleratorState
+
+    from bilinear_lm.training import distributed
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setattr(distributed, "cpu_has_native_bf16", lambda: False)
+    args = ["--train_file", small_text, "--tokenizer", "char", "--output_dir", str(tmp_path), "--max_steps", "1",
+            "--block_size", "16", "--batch_size", "2", "--eval_interval", "0", "--save_interval", "0",
+            "--sample_tokens", "0", *(f"--model.{k}={v}" for k, v in TINY_MODEL.items()), *flag]
+    AcceleratorState._reset_state(reset_partial_state=True)  # the in-process runs before this one set it to no
+    try:
+        train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    out = capsys.readouterr().out
+    assert f"tokens per optimizer step), mixed precision {runs_in}\n" in out
+    assert ("--mixed_precision bf16 on a CPU without native bf16" in out) == (runs_in == "bf16")
 
 
 def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatch):

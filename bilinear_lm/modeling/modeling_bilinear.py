@@ -261,12 +261,25 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, fix: str, where: str | N
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a ValueError naming the problem and the fix for empty ``input_ids`` or ids outside ``[0, vocab_size)``."""
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}; "
-                         "pass at least one token per row")
+    """Raise a ValueError naming the problem and the fix for empty ``input_ids`` (no rows or no tokens) or ids outside
+    ``[0, vocab_size)``."""
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError(f"input_ids must be [batch, seq_len] with batch >= 1 and seq_len >= 1, got shape "
+                         f"{tuple(input_ids.shape)}; pass at least one row of at least one token")
     check_token_ids(input_ids, vocab_size, "the tokenizer does not match the model: use the tokenizer saved with the "
                                            "checkpoint, or build the model with a vocab_size of len(tokenizer)")
+
+
+def check_attention_mask(attention_mask: torch.Tensor, shape: tuple[int, int], cached: int) -> None:
+    """Raise a ValueError naming the shapes unless ``attention_mask`` is [batch, seq_len] for inputs of ``shape``, or
+    [batch, cached + seq_len] (the whole sequence's, which generate() passes after ``cached`` tokens)."""
+    B, T = shape
+    lengths = (T, cached + T) if cached else (T,)
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in lengths:
+        after = f" after {cached} cached tokens" if cached else ""
+        raise ValueError(f"BilinearModel.forward: attention_mask of shape {tuple(attention_mask.shape)} does not fit "
+                         f"the inputs' [batch, seq_len] = [{B}, {T}]{after}: pass a mask of shape "
+                         + " or ".join(f"[{B}, {n}]" for n in lengths))
 
 
 class BilinearPreTrainedModel(PreTrainedModel):
@@ -355,9 +368,9 @@ class BilinearModel(BilinearPreTrainedModel):
             if not torch.compiler.is_compiling():  # the check reads the ids on the host: not inside a graph
                 check_input_ids(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.shape[1] == 0:
-            raise ValueError("BilinearModel.forward: inputs_embeds has no positions (shape "
-                             f"{tuple(inputs_embeds.shape)}); pass at least one position")
+        elif 0 in inputs_embeds.shape[:2]:
+            raise ValueError("BilinearModel.forward: inputs_embeds has no rows or no positions (shape "
+                             f"{tuple(inputs_embeds.shape)}); pass at least one row of at least one position")
         output_hidden_states = output_hidden_states if output_hidden_states is not None \
             else self.config.output_hidden_states
         if use_cache is None:
@@ -365,13 +378,14 @@ class BilinearModel(BilinearPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = BilinearCache(self.config.num_hidden_layers)
         T = inputs_embeds.shape[1]
+        offset = past_key_values.seen_tokens if past_key_values is not None else 0
         mask = None
         if attention_mask is not None:
+            check_attention_mask(attention_mask, inputs_embeds.shape[:2], offset)
             # generate() passes the mask of the whole sequence so far: keep the columns of this call.
             mask = attention_mask[:, -T:]
             if bool(mask.all()):
                 mask = None
-        offset = past_key_values.seen_tokens if past_key_values is not None else 0
         reset = None
         if self.config.reset_state_at_eos and input_ids is not None:
             reset, follows_eos = document_starts(

@@ -11,6 +11,8 @@ the command line written down: every `key: value` is read as `--key=value`, `mod
 """
 import difflib
 import json
+import logging
+import re
 import types
 import typing
 from argparse import ArgumentDefaultsHelpFormatter, ArgumentTypeError, RawDescriptionHelpFormatter
@@ -25,7 +27,9 @@ from transformers.hf_argparser import HfArg, string_to_bool
 from bilinear_lm import BilinearConfig
 from bilinear_lm.baselines import MODEL_TYPES
 
+logger = logging.getLogger(__name__)
 MODEL_PREFIX = "--model."
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
 
 
 class TrainingInputError(ValueError):
@@ -81,7 +85,9 @@ class TrainConfig:
     beta1: float = HfArg(default=0.9, help="AdamW beta1")
     beta2: float = HfArg(default=0.95, help="AdamW beta2")
     grad_clip: float = HfArg(default=1.0, help="gradient norm clip (0 disables)")
-    mixed_precision: Literal["no", "bf16", "fp16"] = HfArg(default="no", help="autocast precision")
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = HfArg(
+        default=None, help="autocast precision; default: the launcher's (`accelerate launch --mixed_precision` or its "
+                           "config file), else no")
     seed: int = HfArg(default=1337, help="initialization, data order and sampling seed")
     output_dir: str = HfArg(default="out", help="metrics, checkpoints, loss plot and the final model")
     log_interval: int = HfArg(default=10, help="steps between training-loss records")
@@ -108,6 +114,12 @@ class TrainConfig:
         if self.save_total_limit < 0:
             raise TrainingInputError(f"--save_total_limit must be 0 (keep all) or positive, got "
                                      f"{self.save_total_limit}")
+        if self.learning_rate < 0:
+            raise TrainingInputError(f"--learning_rate must be >= 0, got {self.learning_rate}: pass the peak learning "
+                                     f"rate as a positive number, e.g. --learning_rate 1e-3")
+        if self.learning_rate == 0:
+            logger.warning("WARNING: --learning_rate 0: the weights will not change (training runs anyway); pass a "
+                           "positive learning rate to train")
 
 
 class Config(NamedTuple):
@@ -142,6 +154,18 @@ def model_value(key: str, text: str):
         raise TrainingInputError(f"argument {MODEL_PREFIX}{key}: invalid {typ.__name__} value: {text!r}") from None
 
 
+def join_negative_values(args: list[str]) -> list[str]:
+    """`--key -1e-3` -> `--key=-1e-3`: argparse takes a negative number in scientific notation for an option (and
+    says "expected one argument")."""
+    joined = []
+    for arg in args:
+        if joined and NEGATIVE_NUMBER.fullmatch(arg) and joined[-1].startswith("--") and "=" not in joined[-1]:
+            joined[-1] += f"={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
 class _HelpFormatter(ArgumentDefaultsHelpFormatter, RawDescriptionHelpFormatter):
     """Defaults after each argument; the epilog (the model keys) as written."""
 
@@ -165,7 +189,7 @@ class ConfigParser(HfArgumentParser):
 
     def parse(self, args: list[str]) -> Config:
         """``args`` (no preset) -> Config."""
-        data, train, rest = self.parse_args_into_dataclasses(args, return_remaining_strings=True,
+        data, train, rest = self.parse_args_into_dataclasses(join_negative_values(args), return_remaining_strings=True,
                                                              look_for_args_file=False)
         return Config(data, train, self.model_overrides(rest))
 

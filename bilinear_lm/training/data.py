@@ -10,6 +10,7 @@ checkpoint and reloaded with `AutoTokenizer.from_pretrained`.
 """
 from __future__ import annotations
 
+import json
 import os
 import urllib.error
 import urllib.request
@@ -44,11 +45,32 @@ def _builder_for(path: str) -> str:
 
 
 def _check_file(path: str, what: str) -> None:
+    """A readable UTF-8 text file with some text in it (and, for .jsonl, one JSON value per line), else a DataError
+    naming the file, where it goes wrong and the fix."""
     p = Path(path)
+    if p.is_dir():
+        raise DataError(f"{what} {path!r} is a directory, not a file; pass a .txt or .jsonl file")
     if not p.is_file():
         raise DataError(f"{what} {path!r} does not exist (resolved to {p.resolve()}); check the path")
-    if p.stat().st_size == 0 or not p.read_text(encoding="utf-8", errors="replace").strip():
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{what} {path!r} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset {err.start} "
+                        f"({err.reason}); pass a text file, or convert it (e.g. iconv -f LATIN1 -t UTF-8)") from None
+    if "\0" in text:
+        raise DataError(f"{what} {path!r} is binary, not text: a NUL byte at offset {raw.index(0)}; pass a .txt "
+                        f"or .jsonl text file")
+    if not text.strip():
         raise DataError(f"{what} {path!r} is empty; it must contain text to train on")
+    if p.suffix.lower() == ".jsonl":
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{what} {path!r}, line {number}: not valid JSON ({err.msg}, column {err.colno}); "
+                                f"every line of a .jsonl file is one JSON object, e.g. {{\"text\": \"...\"}}") from None
 
 
 def offline_mode() -> bool:
