@@ -30,7 +30,7 @@ from bilinear_lm.baselines import bilinear_config, build_model, count_parameters
 from bilinear_lm.modeling.dispatch import build_kernels
 from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
 from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
-                                  append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change,
+                                  append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change, check_launch,
                                   find_checkpoint, load_raw_text, params_identical_across_ranks, parse_config,
                                   plot_losses, save_checkpoint, together, tokenize_and_pack)
 from bilinear_lm.utils import eval_mode
@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         project_dir=str(out_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
     )
+    check_launch(accelerator)  # N launched processes that each run alone would race on out_dir
     warning = bf16_cpu_warning(accelerator.mixed_precision, accelerator.device.type)
     if warning:
         accelerator.print(warning)

@@ -1,0 +1,57 @@
+"""Distributed launches on CPU: a launch that asks for N processes but runs N single-process trainings is refused."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bilinear_lm.training import DEFAULT_TRAIN_FILE, TrainingInputError, check_launch
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**{k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}, "OMP_NUM_THREADS": "1",
+       "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+       "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_multi_gpu_launch_without_gpus_is_refused_on_every_process(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` without ACCELERATE_USE_CPU=1 and without GPUs: torchrun
+    starts 2 processes (WORLD_SIZE=2) whose Accelerators each run alone. They must stop before writing anything."""
+    text = tmp_path / "text.txt"
+    text.write_text(Path(DEFAULT_TRAIN_FILE).read_text()[:5_000])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), "train.py", "--config",
+           str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml"), "--train_file", str(text),
+           "--output_dir", str(out), "--max_steps", "2", "--block_size", "16", "--batch_size", "2",
+           "--save_interval", "1", "--sample_tokens", "0", "--model.hidden_size", "16",
+           "--model.num_hidden_layers", "1", "--model.num_heads", "2", "--model.state_size", "4", "--model.rank", "4"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, output[-3000:]  # one line from each process
+    assert all("the launcher started 2 processes (WORLD_SIZE=2) but each runs as a single process" in line
+               and "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py" in line
+               and "FSDP through Accelerate needs GPUs" in line for line in errors), errors
+    assert not out.exists()  # no tokenizer, checkpoint or model
+
+
+def test_check_launch_names_fsdp_and_passes_real_launches():
+    one = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    with pytest.raises(TrainingInputError, match=r"started 4 processes .* no GPU for FSDP\).*--num_processes 4"):
+        check_launch(one, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true"})
+    check_launch(one, {})  # python train.py
+    check_launch(one, {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})  # accelerate launch, one process
+    check_launch(SimpleNamespace(num_processes=2, device=torch.device("cpu")), {"WORLD_SIZE": "2"})  # CPU DDP
