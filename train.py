@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from datasets import DatasetDict, concatenate_datasets
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -32,7 +32,7 @@ from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_voca
 from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
                                   append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change, check_launch,
                                   find_checkpoint, load_raw_text, params_identical_across_ranks, parse_config,
-                                  plot_losses, save_checkpoint, together, tokenize_and_pack)
+                                  plot_losses, save_checkpoint, together, tokenize_and_pack, unsharded_copy)
 from bilinear_lm.utils import eval_mode
 
 
@@ -254,6 +254,10 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
         unwrapped.generation_config.save_pretrained(out_dir)
         append_metrics(metrics.path, final)
         plot_losses(metrics.path, out_dir / "loss.png")
+        # a sharded forward needs every rank: the main process alone samples and evaluates an unsharded copy
+        if accelerator.distributed_type == DistributedType.FSDP and (cfg.train.sample_tokens
+                                                                       or cfg.train.eval_lm_harness):
+            unwrapped = unsharded_copy(unwrapped, state_dict).to(accelerator.device)
         if cfg.train.sample_tokens:
             print_sample(cfg, unwrapped, data.tokenizer, data.raw, accelerator.device)
         if cfg.train.eval_lm_harness:

@@ -1,4 +1,5 @@
-"""Distributed launches on CPU: a launch that asks for N processes but runs N single-process trainings is refused."""
+"""Distributed launches on CPU: a launch that asks for N processes but runs N single-process trainings is refused;
+the unsharded copy finish() samples and evaluates under FSDP."""
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bilinear_lm.training import DEFAULT_TRAIN_FILE, TrainingInputError, check_launch
+from bilinear_lm.training import DEFAULT_TRAIN_FILE, TrainingInputError, check_launch, unsharded_copy
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**{k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}, "OMP_NUM_THREADS": "1",
@@ -55,3 +56,18 @@ def test_check_launch_names_fsdp_and_passes_real_launches():
     check_launch(one, {})  # python train.py
     check_launch(one, {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})  # accelerate launch, one process
     check_launch(SimpleNamespace(num_processes=2, device=torch.device("cpu")), {"WORLD_SIZE": "2"})  # CPU DDP
+
+
+def test_unsharded_copy_of_a_state_dict_gives_identical_logits(tiny_bilinear_config):
+    from bilinear_lm import BilinearForCausalLM
+
+    torch.manual_seed(0)
+    model = BilinearForCausalLM(tiny_bilinear_config).eval()
+    model.generation_config.max_new_tokens = 7
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = unsharded_copy(model, {k: v.clone() for k, v in model.state_dict().items()})
+    assert type(plain) is BilinearForCausalLM and plain is not model and not plain.training
+    assert plain.generation_config.max_new_tokens == 7
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight  # tied, as in the original
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -61,6 +61,22 @@ def check_launch(accelerator, environ=os.environ) -> None:
         f"--num_processes {launched} train.py ...; FSDP through Accelerate needs GPUs")
 
 
+def unsharded_copy(model, state_dict):
+    """A plain (unsharded) copy of `model` holding `state_dict` (a full state dict, e.g. gathered from FSDP shards by
+    `accelerator.get_state_dict`), for what one process does alone at the end (the sample, lm-eval): a sharded
+    forward needs every rank. FSDP2's `fully_shard` turns the model's class into FSDP<class>; the copy is of the
+    class under it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    import torch
+
+    copy = cls(model.config)
+    copy.load_state_dict({k: v.to(torch.device("cpu")) for k, v in state_dict.items()})  # copies into tied weights too
+    copy.generation_config = model.generation_config
+    return copy.eval()
+
+
 def params_identical_across_ranks(accelerator, model) -> bool | None:
     """DDP sanity check: every rank holds identical parameters (None under FSDP: they are sharded)."""
     import torch
