@@ -1,5 +1,6 @@
 """Distributed launches on CPU: a launch that asks for N processes but runs N single-process trainings is refused;
-the unsharded copy finish() samples and evaluates under FSDP."""
+FSDP2 (`fully_shard`) over 2 gloo ranks matches one unsharded process (tests/fsdp_worker.py); the unsharded copy
+finish() samples and evaluates under FSDP."""
 import os
 import subprocess
 import sys
@@ -56,6 +57,17 @@ def test_check_launch_names_fsdp_and_passes_real_launches():
     check_launch(one, {})  # python train.py
     check_launch(one, {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})  # accelerate launch, one process
     check_launch(SimpleNamespace(num_processes=2, device=torch.device("cpu")), {"WORLD_SIZE": "2"})  # CPU DDP
+
+
+def test_fsdp2_fully_shard_over_2_gloo_ranks_matches_one_unsharded_process(tmp_path):
+    """tests/fsdp_worker.py on 2 CPU ranks: loss, gathered gradients and parameters after a step, and the saved
+    gathered state dict reloaded with from_pretrained (identical logits) against one process's unsharded model."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists()
+    assert (tmp_path / "model" / "model.safetensors").exists()
 
 
 def test_unsharded_copy_of_a_state_dict_gives_identical_logits(tiny_bilinear_config):
