@@ -249,7 +249,8 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
     state_dict = accelerator.get_state_dict(model)
     out_dir = Path(cfg.train.output_dir)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        # a shallow copy: save_pretrained empties the dict it is given (transformers 5); the unsharded copy needs it
+        unwrapped.save_pretrained(out_dir, state_dict=dict(state_dict), safe_serialization=True)
         data.tokenizer.save_pretrained(out_dir)
         unwrapped.generation_config.save_pretrained(out_dir)
         append_metrics(metrics.path, final)

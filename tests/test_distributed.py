@@ -83,3 +83,36 @@ def test_unsharded_copy_of_a_state_dict_gives_identical_logits(tiny_bilinear_con
     assert plain.lm_head.weight is plain.model.embed_tokens.weight  # tied, as in the original
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_finish_samples_and_evaluates_an_unsharded_copy_only_under_fsdp(tiny_bilinear_config, tmp_path, monkeypatch,
+                                                                       sharded):
+    """train.finish() with a stand-in accelerator: under FSDP the main process's sample and lm-eval get a plain copy
+    built from the gathered state dict (same logits), otherwise the model itself, as before."""
+    from accelerate.utils import DistributedType
+
+    import train
+    from bilinear_lm import BilinearForCausalLM
+    from bilinear_lm.training import MetricsLog, TrainState, parse_config
+
+    torch.manual_seed(0)
+    model = BilinearForCausalLM(tiny_bilinear_config)
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType.FSDP if sharded else DistributedType.NO, num_processes=1,
+        is_main_process=True, device=torch.device("cpu"), unwrap_model=lambda m: m, wait_for_everyone=lambda: None,
+        get_state_dict=lambda m: {k: v.clone() for k, v in m.state_dict().items()}, end_training=lambda: None,
+        gather=lambda t: t)
+    cfg = parse_config(["--output_dir", str(tmp_path), "--sample_tokens", "3", "--eval_lm_harness", "lambada"])
+    used = {}
+    monkeypatch.setattr(train, "print_sample", lambda cfg, m, *a: used.setdefault("sample", m))
+    monkeypatch.setattr(train, "run_harness", lambda cfg, m, *a: used.setdefault("harness", m))
+    monkeypatch.setattr(train, "plot_losses", lambda *a: None)
+    data = SimpleNamespace(tokenizer=SimpleNamespace(save_pretrained=lambda d: None), raw=None)
+    train.finish(cfg, accelerator, model, data, TrainState(), MetricsLog(accelerator, tmp_path / "metrics.jsonl"), 1)
+    assert used["sample"] is used["harness"]
+    assert (used["sample"] is not model) == sharded
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(used["sample"].eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+    assert (tmp_path / "model.safetensors").exists()
