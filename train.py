@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from datasets import DatasetDict, concatenate_datasets
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -30,9 +30,9 @@ from bilinear_lm.baselines import bilinear_config, build_model, count_parameters
 from bilinear_lm.modeling.dispatch import build_kernels
 from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
 from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
-                                  append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change,
+                                  append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change, check_launch,
                                   find_checkpoint, load_raw_text, params_identical_across_ranks, parse_config,
-                                  plot_losses, save_checkpoint, together, tokenize_and_pack)
+                                  plot_losses, save_checkpoint, together, tokenize_and_pack, unsharded_copy)
 from bilinear_lm.utils import eval_mode
 
 
@@ -249,11 +249,16 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
     state_dict = accelerator.get_state_dict(model)
     out_dir = Path(cfg.train.output_dir)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        # a shallow copy: save_pretrained empties the dict it is given (transformers 5); the unsharded copy needs it
+        unwrapped.save_pretrained(out_dir, state_dict=dict(state_dict), safe_serialization=True)
         data.tokenizer.save_pretrained(out_dir)
         unwrapped.generation_config.save_pretrained(out_dir)
         append_metrics(metrics.path, final)
         plot_losses(metrics.path, out_dir / "loss.png")
+        # a sharded forward needs every rank: the main process alone samples and evaluates an unsharded copy
+        if accelerator.distributed_type == DistributedType.FSDP and (cfg.train.sample_tokens
+                                                                       or cfg.train.eval_lm_harness):
+            unwrapped = unsharded_copy(unwrapped, state_dict).to(accelerator.device)
         if cfg.train.sample_tokens:
             print_sample(cfg, unwrapped, data.tokenizer, data.raw, accelerator.device)
         if cfg.train.eval_lm_harness:
@@ -282,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         project_dir=str(out_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
     )
+    check_launch(accelerator)  # N launched processes that each run alone would race on out_dir
     warning = bf16_cpu_warning(accelerator.mixed_precision, accelerator.device.type)
     if warning:
         accelerator.print(warning)

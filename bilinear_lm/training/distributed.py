@@ -2,6 +2,7 @@
 waiting in a collective; identical parameters across ranks; the bf16-on-CPU warning."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .config import TrainingInputError
@@ -42,6 +43,38 @@ def together(accelerator, fn, what: str, main_first: bool = False):
             error = err
     fail_together(accelerator, error, what)
     return result
+
+
+def check_launch(accelerator, environ=os.environ) -> None:
+    """Refuse a launch that started N processes that each run alone: `accelerate launch --multi_gpu` (or the shipped
+    multi_gpu.yaml / fsdp.yaml) on a machine without GPUs starts N processes (torchrun's WORLD_SIZE = N) whose
+    Accelerator falls back to one process each; they would train independently into the same output directory and
+    race on its checkpoints. Every such process raises (they share no process group to fail together through)."""
+    launched = max(int(environ.get(key, "1") or 1) for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    if launched <= 1 or accelerator.num_processes > 1:
+        return
+    fsdp = str(environ.get("ACCELERATE_USE_FSDP", "")).lower() in ("1", "true", "yes")
+    raise TrainingInputError(
+        f"the launcher started {launched} processes (WORLD_SIZE={environ.get('WORLD_SIZE')}) but each runs as a single "
+        f"process ({accelerator.device.type}, no GPU for {'FSDP' if fsdp else '--multi_gpu'}): they would train "
+        f"separately into the same output directory. On CPU launch ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+        f"--num_processes {launched} train.py ...; FSDP through Accelerate needs GPUs")
+
+
+def unsharded_copy(model, state_dict):
+    """A plain (unsharded) copy of `model` holding `state_dict` (a full state dict, e.g. gathered from FSDP shards by
+    `accelerator.get_state_dict`), for what one process does alone at the end (the sample, lm-eval): a sharded
+    forward needs every rank. FSDP2's `fully_shard` turns the model's class into FSDP<class>; the copy is of the
+    class under it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    import torch
+
+    copy = cls(model.config)
+    copy.load_state_dict({k: v.to(torch.device("cpu")) for k, v in state_dict.items()})  # copies into tied weights too
+    copy.generation_config = model.generation_config
+    return copy.eval()
 
 
 def params_identical_across_ranks(accelerator, model) -> bool | None:
