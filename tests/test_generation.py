@@ -123,7 +123,7 @@ def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
         dispatch = sys.modules[type(model).__module__.rpartition(".")[0] + ".dispatch"]
-        assert dispatch.load_cpu_scan is None  # no compiled scan without the package: the PyTorch scan runs
+        assert dispatch.load_cpu_kernels is None  # no compiled kernels without the package: the PyTorch scan runs
         with torch.no_grad():
             torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=1e-5, atol=1e-6)
         assert torch.equal(model.generate(expected["ids"], max_new_tokens=5), expected["gen"])

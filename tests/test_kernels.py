@@ -45,7 +45,7 @@ def test_the_environment_switch_disables_the_build(fresh_loader, monkeypatch):
 
     monkeypatch.setenv(cpu.DISABLE_ENV, "1")
     assert cpu.load() is None and fresh_loader == []
-    monkeypatch.setattr(dispatch, "cpu_scan_available", lambda: cpu.load() is not None)
+    monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: cpu.load() is not None)
     u = torch.ones(1, 5, 2, 3)
     assert dispatch.resolve_impl("auto", u, 3) == "torch"
     with pytest.raises(RuntimeError, match=f"recurrence_impl='cpp' needs .*{cpu.DISABLE_ENV}=1"):

@@ -312,7 +312,7 @@ def test_compiled_decoding_step_equals_the_reference_step(dtype, tol, monkeypatc
     column block of its vector-matrix products (115 = 64 + 32 + 16 + 3, 48 = 32 + 16)."""
     from bilinear_lm.modeling import dispatch
 
-    if dispatch.load_cpu_scan is None or dispatch.load_cpu_scan() is None:
+    if dispatch.load_cpu_kernels is None or dispatch.load_cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
     B, N, H, R = 4, 2, 115, 48
     u, W1, W2, _ = (t.detach() for t in make_inputs(B, 1, N, H, R, dtype))
@@ -322,8 +322,8 @@ def test_compiled_decoding_step_equals_the_reference_step(dtype, tol, monkeypatc
     h_start = torch.randn(N, H, generator=g, dtype=dtype)
     mask, reset = torch.tensor([[1], [0], [1], [1]]), torch.tensor([[0], [1], [1], [0]], dtype=torch.bool)
     steps = []
-    kernel = dispatch.load_cpu_scan()
-    monkeypatch.setattr(dispatch, "load_cpu_scan", lambda: type("Spy", (), {
+    kernel = dispatch.load_cpu_kernels()
+    monkeypatch.setattr(dispatch, "load_cpu_kernels", lambda: type("Spy", (), {
         "cp_step": lambda self, *args: steps.append(1) or kernel.cp_step(*args)})())
     for chunk, offset in [(0, 0), (4, 3), (4, 1)]:  # no normalization; the step ends a chunk; the guard alone
         with torch.no_grad():

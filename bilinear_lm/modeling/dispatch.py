@@ -24,18 +24,18 @@ from .scan import scan_backward as torch_scan_backward
 from .scan import scan_forward as torch_scan_forward
 
 try:  # the compiled CPU kernels ship with the package; remote code (save_pretrained) runs PyTorch without them
-    from bilinear_lm.kernels.cpu import load as load_cpu_scan
+    from bilinear_lm.kernels.cpu import load as load_cpu_kernels
     from bilinear_lm.kernels.cpu import loaded as loaded_cpu_kernels
 except ImportError:
-    load_cpu_scan = loaded_cpu_kernels = None
+    load_cpu_kernels = loaded_cpu_kernels = None
 
 IMPLS = ("auto", "cpp", "triton", "torch", "reference")
 
 
 @torch.compiler.assume_constant_result
-def cpu_scan_available() -> bool:
+def cpu_kernels_available() -> bool:
     """Whether the C++ CPU kernels are built, or build now (once). ``torch.compile`` keeps the answer it traced."""
-    return load_cpu_scan is not None and load_cpu_scan() is not None
+    return load_cpu_kernels is not None and load_cpu_kernels() is not None
 
 
 def build_kernels(config, device_type: str) -> None:
@@ -44,7 +44,7 @@ def build_kernels(config, device_type: str) -> None:
     the CP transition without additive input runs a scan)."""
     if device_type == "cpu" and config.recurrence_impl in ("auto", "cpp") and config.mixer_type == "cp" \
             and not config.additive_input:
-        cpu_scan_available()
+        cpu_kernels_available()
 
 
 SMALL_BATCH_ROWS = 4  # decoding: up to this many rows take the GEMV
@@ -67,8 +67,8 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _cpu_scan_runs_on(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and cpu_scan_available()
+def _cpu_kernels_run_on(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and cpu_kernels_available()
 
 
 def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
@@ -87,8 +87,8 @@ def resolve_impl(impl: str, u: torch.Tensor, state_size: int) -> str:
             return "triton"
         if u.shape[-1] > 2 * state_size:
             return "reference"
-        return "cpp" if _cpu_scan_runs_on(u) else "torch"
-    if impl == "cpp" and not _cpu_scan_runs_on(u):
+        return "cpp" if _cpu_kernels_run_on(u) else "torch"
+    if impl == "cpp" and not _cpu_kernels_run_on(u):
         raise RuntimeError("recurrence_impl='cpp' needs CPU fp32/fp64 tensors, the installed package "
                            "(pip install bilinear-lm) and a C++ compiler for the scan's build, without "
                            "BILINEAR_LM_NO_CPP=1; use recurrence_impl='auto' or 'torch'")
@@ -108,7 +108,7 @@ def _triton_available(device_type: str) -> bool:
 def _scan_functions(impl: str):
     """``(scan_forward, scan_backward)`` of ``impl`` (remote code can import only ``from .module import name``)."""
     if impl == "cpp":
-        kernel = load_cpu_scan()
+        kernel = load_cpu_kernels()
         return kernel.scan_forward, kernel.scan_backward
     if impl == "triton":
         from .scan_triton import scan_backward, scan_forward
@@ -221,9 +221,9 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
         h = h0.expand(factors.shape[0], *h0.shape[-2:])
         keep_t, reset_t = None if mask is None else mask[:, 0], None if reset is None else reset[:, 0]
         if isinstance(transition, CPTransition) and additive is None and not torch.is_grad_enabled() \
-                and impl in ("auto", "cpp") and _cpu_scan_runs_on(factors):  # the compiled step (decoding)
+                and impl in ("auto", "cpp") and _cpu_kernels_run_on(factors):  # the compiled step (decoding)
             empty = torch.empty(0, dtype=torch.bool)
-            h = load_cpu_scan().cp_step(
+            h = load_cpu_kernels().cp_step(
                 factors[:, 0].contiguous(), h.contiguous(), transition.W1.contiguous(), transition.W2.contiguous(),
                 empty if keep_t is None else keep_t.bool().contiguous(),
                 empty if reset_t is None else reset_t.bool().contiguous(),
