@@ -7,6 +7,16 @@ from .transitions import TRANSITIONS
 
 MIXER_TYPES = tuple(TRANSITIONS)  # the built-in transition types
 ACTIVATIONS = ("silu", "gelu", "relu")
+LAYER_TYPES = ("bilinear", "full_attention", "sliding_attention")  # the values of BilinearConfig.layer_types
+
+
+def interleaved_layer_types(num_hidden_layers: int, attention_every: int,
+                            attention_type: str = "full_attention") -> list[str]:
+    """``layer_types`` with every ``attention_every``-th layer an attention layer (``attention_type``) and the others
+    bilinear: ``interleaved_layer_types(8, 4)`` is 3 bilinear : 1 attention, the attention layers 4th and 8th."""
+    if isinstance(attention_every, bool) or not isinstance(attention_every, int) or attention_every < 1:
+        raise ValueError(f"interleaved_layer_types: attention_every must be a positive integer, got {attention_every!r}")
+    return [attention_type if (i + 1) % attention_every == 0 else "bilinear" for i in range(num_hidden_layers)]
 
 
 def swiglu_width(hidden_size: int) -> int:
@@ -60,6 +70,14 @@ class BilinearConfig(PreTrainedConfig):
     `reset_state_at_eos=True` restarts every layer's state (and convolution window) after each `eos_token_id`, so
     documents packed into one training block do not see each other, exactly as if each were run alone.
 
+    `layer_types` (one entry per layer, default all `"bilinear"`) makes a hybrid: a `"full_attention"` or
+    `"sliding_attention"` layer replaces the block's mixer with causal softmax attention (transformers' attention
+    interface, Llama's rotary embedding, `num_attention_heads` query heads and `num_key_value_heads` key/value heads
+    of size `hidden_size / num_attention_heads`, `rope_theta` or `rope_parameters`); a sliding layer attends to the
+    last `sliding_window` positions (itself included). The norms and the MLP are the bilinear blocks'.
+    `interleaved_layer_types(num_hidden_layers, k)` puts attention on every k-th layer. With `reset_state_at_eos`
+    the attention layers do not attend across an EOS either.
+
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
 
@@ -88,6 +106,11 @@ class BilinearConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     input_factor_init_std: float = 0.02
     input_factor_multiplier: float = 1.0
+    layer_types: list[str] | None = None
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    sliding_window: int | None = None
+    rope_parameters: dict | None = None
     tie_word_embeddings: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -97,6 +120,10 @@ class BilinearConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None:
             self.intermediate_size = swiglu_width(self.hidden_size)
+        if self.layer_types is None:
+            self.layer_types = ["bilinear"] * self.num_hidden_layers
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
         self._validate()
         super().__post_init__(**kwargs)
 
@@ -147,9 +174,35 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError(f"BilinearConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.initializer_range > 0 or not self.input_factor_init_std >= 0:
             raise ValueError("BilinearConfig.initializer_range must be > 0 and input_factor_init_std >= 0")
+        self._validate_layer_types()
         if not self.input_factor_multiplier > 0:
             raise ValueError(f"BilinearConfig.input_factor_multiplier must be > 0 (1: the plain projection), "
                              f"got {self.input_factor_multiplier!r}")
 
+    def _validate_layer_types(self):
+        types = self.layer_types
+        if not isinstance(types, (list, tuple)) or len(types) != self.num_hidden_layers \
+                or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"BilinearConfig.layer_types must list one of {LAYER_TYPES} per layer "
+                             f"(num_hidden_layers={self.num_hidden_layers}), got {types!r}; "
+                             "interleaved_layer_types(num_hidden_layers, k) puts attention on every k-th layer")
+        if all(t == "bilinear" for t in types):
+            return
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BilinearConfig.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"BilinearConfig.num_attention_heads ({self.num_attention_heads}) must divide hidden_size "
+                             f"({self.hidden_size}) and be a multiple of num_key_value_heads "
+                             f"({self.num_key_value_heads}): pick head counts that do")
+        if "sliding_attention" in types and (isinstance(self.sliding_window, bool)
+                                             or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"BilinearConfig.sliding_window must be a positive integer for 'sliding_attention' "
+                             f"layers (the positions each one attends to, itself included), got {self.sliding_window!r}")
+        if (self.rope_parameters or {}).get("rope_type", "default") != "default":
+            raise ValueError(f"BilinearConfig.rope_parameters: only rope_type 'default' is supported (the model has no "
+                             f"maximum length to scale to), got {self.rope_parameters['rope_type']!r}")
 
-__all__ = ["BilinearConfig"]
+
+__all__ = ["BilinearConfig", "interleaved_layer_types"]
