@@ -1,4 +1,5 @@
-"""Bilinear recurrent language model: Mixer -> Block -> BilinearModel -> BilinearForCausalLM.
+"""Bilinear recurrent language model: Mixer -> Block -> BilinearModel -> BilinearForCausalLM; hybrids put attention
+blocks (``config.layer_types``) among the bilinear ones, all on transformers' ``DynamicCache``.
 
 ``save_pretrained`` copies this module and its relative imports as remote code: it imports only torch,
 transformers and same-folder modules.
@@ -12,8 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicCache, LinearAttentionLayer
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration_bilinear import BilinearConfig
 from .dispatch import linear
@@ -22,34 +27,73 @@ from .transitions import TRANSITIONS, Transition
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
-class BilinearCache:
-    """Recurrent cache: each layer's state ``[batch, heads, state_size]``, O(1) memory in sequence length.
+class BilinearLayerCache(LinearAttentionLayer):
+    """A bilinear layer's cache: transformers' ``LinearAttentionLayer`` with the mixer's state as its recurrent state
+    (opaque, batch first) and the short convolution's window as its conv state (``[batch, hidden, conv_width - 1]``,
+    time last as the library keeps conv states), plus ``cumulative_length``, the positions consumed.
 
-    ``generate()`` receives it as ``past_key_values``; beam search reorders it in place.
+    Subclassed because ``LinearAttentionLayer`` counts no positions (the chunked normalization's ``offset`` and
+    ``get_seq_length`` need the count), marks a state as present only after a conv update (a layer without a
+    convolution makes none), and copies each new state into the first one's storage for CUDA graphs, which would break
+    backpropagation through a carried state and the dtype of a state that changes with the input's: here a new state
+    replaces the old one (so the layer is not compileable).
     """
 
     is_compileable = False
 
-    def __init__(self, num_layers: int):
-        self.states: list[torch.Tensor | None] = [None] * num_layers
-        self.conv_states: list[torch.Tensor | None] = [None] * num_layers  # [batch, conv_width - 1, hidden]
-        self.follows_eos: torch.Tensor | None = None  # [batch] bool: the last token was EOS (reset_state_at_eos)
-        self.seen_tokens = 0
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.cumulative_length = 0
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, num_positions: int = 0,
+                               **kwargs) -> torch.Tensor:
+        """Store the state after ``num_positions`` more positions."""
+        self.dtype, self.device = recurrent_states.dtype, recurrent_states.device
+        self.recurrent_states[state_idx] = recurrent_states
+        self.is_recurrent_states_initialized[state_idx] = self.has_previous_state[state_idx] = True
+        self.cumulative_length += num_positions
+        return recurrent_states
+
+    def get_seq_length(self) -> int:
+        """Number of positions consumed so far (padding included)."""
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+
+DYNAMIC_LAYER_TYPE_MAPPING["bilinear"] = BilinearLayerCache  # DynamicCache(config) builds it for layer_types "bilinear"
+
+
+class BilinearCache(DynamicCache):
+    """transformers' ``DynamicCache`` built from ``config.layer_types``: a :class:`BilinearLayerCache` per bilinear
+    layer, ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` per attention layer (O(1) memory in sequence length
+    without full attention). ``generate()`` receives it as ``past_key_values``; beam search reorders it in place.
+
+    Subclassed for what belongs to the whole model rather than to a layer, reordered with the layers:
+    ``follows_eos`` (``[batch]`` bool, ``reset_state_at_eos``: the last token was EOS) and ``document_start``
+    (``[batch]`` long: where the current document began, which the attention layers' mask needs); and for
+    ``get_seq_length``, which ``DynamicCache`` asks of an attention layer, absent from a pure bilinear model: here every
+    layer answers.
+    """
+
+    def __init__(self, config: BilinearConfig):
+        super().__init__(config=config)
+        self.follows_eos: torch.Tensor | None = None
+        self.document_start: torch.Tensor | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of positions consumed so far (padding included)."""
-        return self.seen_tokens
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select batch rows in place (beam search)."""
-        def select(states):
-            return [None if s is None else s.index_select(0, beam_idx.to(s.device)) for s in states]
-
-        self.states, self.conv_states = select(self.states), select(self.conv_states)
-        self.follows_eos = select([self.follows_eos])[0]
-
-    def __len__(self) -> int:
-        return len(self.states)
+        super().reorder_cache(beam_idx)
+        if self.follows_eos is not None:
+            self.follows_eos = self.follows_eos.index_select(0, beam_idx.to(self.follows_eos.device))
+        if self.document_start is not None:
+            self.document_start = self.document_start.index_select(0, beam_idx.to(self.document_start.device))
 
 
 @dataclass
@@ -201,33 +245,116 @@ class BilinearMLP(nn.Module):
         return linear(self.down_proj, self.act(gate) * up)
 
 
-class BilinearBlock(GradientCheckpointingLayer):
-    """Pre-norm residual block: ``x + Mixer(conv(norm(x)))`` (the short convolution only with ``conv_width``),
-    then ``x + MLP(norm(x))`` if the config has an MLP. Decoding (one position) runs the same code."""
+class BilinearRotaryEmbedding(LlamaRotaryEmbedding):
+    """Llama's rotary embedding (its default inverse frequencies from ``rope_parameters["rope_theta"]`` and the head
+    size, its forward) for the attention layers. Subclassed only to skip ``max_position_embeddings``, which Llama's
+    constructor reads for the RoPE types that rescale to a maximum length: the model has none, and takes only
+    ``rope_type="default"``."""
+
+    def __init__(self, config: BilinearConfig):
+        nn.Module.__init__(self)
+        self.config = config
+        self.rope_type = "default"
+        inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+
+class BilinearAttention(nn.Module):
+    """Causal softmax attention of the hybrid layers, Llama's: q/k/v/o projections, rotary embedding, grouped
+    key/value heads, run by transformers' attention interface (``config._attn_implementation``: sdpa by default).
+    The mask says what each query sees (causal, padding, the sliding window, documents); the cache layer keeps the
+    keys and values (``DynamicSlidingWindowLayer``: only the last ``sliding_window - 1``)."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        self.is_causal = True
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
+        """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's mask, or None), cache) -> [B,T,D]``."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = linear(self.q_proj, hidden_states).view(shape).transpose(1, 2)
+        key = linear(self.k_proj, hidden_states).view(shape).transpose(1, 2)
+        value = linear(self.v_proj, hidden_states).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                           sliding_window=self.sliding_window)
+        return linear(self.o_proj, out.reshape(*hidden_states.shape[:-1], -1))
+
+
+class PreNormBlock(GradientCheckpointingLayer):
+    """What every block shares: the mixing sublayer's norm (``mixer_norm``) and, if the config has an MLP, the
+    pre-norm residual SwiGLU MLP (``mlp_residual``)."""
+
+    def __init__(self, config: BilinearConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
         self.mixer_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.conv = BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None
-        self.mixer = BilinearMixer(config, layer_idx)
         if config.use_mlp:
             self.mlp_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp = BilinearMLP(config)
         else:
             self.mlp = None
 
-    def forward(self, hidden_states, state=None, mask=None, offset: int = 0, conv_state=None, reset=None):
-        """``(hidden [B,T,D], state, mask, offset, conv_state, reset) -> (hidden, states [B,T,N,S],
-        final_state [B,N,S], conv_state)`` (``conv_state``: the convolution's last inputs, None without one;
-        ``reset``: ``[B, T]`` bool, document starts, or None)."""
+    def mlp_residual(self, hidden_states):
+        """``x + MLP(norm(x))``, or ``x`` without an MLP."""
+        return hidden_states if self.mlp is None else hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+
+class BilinearBlock(PreNormBlock):
+    """Pre-norm residual block: ``x + Mixer(conv(norm(x)))`` (the short convolution only with ``conv_width``),
+    then ``x + MLP(norm(x))`` if the config has an MLP. Decoding (one position) runs the same code."""
+
+    def __init__(self, config: BilinearConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.conv = BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None
+        self.mixer = BilinearMixer(config, layer_idx)
+
+    def forward(self, hidden_states, cache=None, mask=None, offset: int = 0, reset=None):
+        """``(hidden [B,T,D], cache, mask, offset, reset) -> (hidden, states [B,T,N,S])``: the state and the
+        convolution's window come from and go back to ``cache`` (a :class:`BilinearCache`, or None: start from
+        ``h_start`` and zeros); ``reset``: ``[B, T]`` bool, document starts, or None."""
+        state = conv_state = None
+        if cache is not None:
+            state = cache.get_recurrent_state(self.layer_idx)
+            if self.conv is not None and (conv_state := cache.get_conv_state(self.layer_idx)) is not None:
+                conv_state = conv_state.transpose(1, 2)
         mixer_input = self.mixer_norm(hidden_states)
         if self.conv is not None:
             mixer_input, conv_state = self.conv(mixer_input, conv_state, mask, reset)
+            if cache is not None:
+                cache.update_conv_state(conv_state.transpose(1, 2), self.layer_idx)  # the window: its last w-1 columns
         mixed, states, final_state = self.mixer(mixer_input, state, mask, offset, reset)
-        hidden_states = hidden_states + mixed
-        if self.mlp is not None:
-            hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states, states, final_state, conv_state
+        if cache is not None:
+            cache.update_recurrent_state(final_state, self.layer_idx, num_positions=hidden_states.shape[1])
+        return self.mlp_residual(hidden_states + mixed), states
+
+
+class BilinearAttentionBlock(PreNormBlock):
+    """A hybrid's attention layer: ``x + Attention(norm(x))``, then the same MLP as the bilinear blocks."""
+
+    def __init__(self, config: BilinearConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.attention = BilinearAttention(config, layer_idx)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
+        """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache) -> hidden``."""
+        hidden_states = hidden_states + self.attention(self.mixer_norm(hidden_states), position_embeddings,
+                                                       attention_mask, cache)
+        return self.mlp_residual(hidden_states)
 
 
 def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
@@ -270,16 +397,19 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
                                            "checkpoint, or build the model with a vocab_size of len(tokenizer)")
 
 
-def check_attention_mask(attention_mask: torch.Tensor, shape: tuple[int, int], cached: int) -> None:
+def check_attention_mask(attention_mask: torch.Tensor, shape: tuple[int, int], cached: int,
+                         has_attention: bool = False) -> None:
     """Raise a ValueError naming the shapes unless ``attention_mask`` is [batch, seq_len] for inputs of ``shape``, or
-    [batch, cached + seq_len] (the whole sequence's, which generate() passes after ``cached`` tokens)."""
+    [batch, cached + seq_len] (the whole sequence's, which generate() passes after ``cached`` tokens); only the latter
+    after cached tokens for a model with attention layers (their cached keys' padding is in it)."""
     B, T = shape
-    lengths = (T, cached + T) if cached else (T,)
+    lengths = (cached + T,) if has_attention and cached else (T, cached + T) if cached else (T,)
     if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in lengths:
         after = f" after {cached} cached tokens" if cached else ""
+        why = " (the whole sequence's: the attention layers mask the cached keys' padding)" if has_attention else ""
         raise ValueError(f"BilinearModel.forward: attention_mask of shape {tuple(attention_mask.shape)} does not fit "
                          f"the inputs' [batch, seq_len] = [{B}, {T}]{after}: pass a mask of shape "
-                         + " or ".join(f"[{B}, {n}]" for n in lengths))
+                         + " or ".join(f"[{B}, {n}]" for n in lengths) + why)
 
 
 class BilinearPreTrainedModel(PreTrainedModel):
@@ -287,10 +417,10 @@ class BilinearPreTrainedModel(PreTrainedModel):
     config_class = BilinearConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["BilinearBlock"]
+    _no_split_modules = ["BilinearBlock", "BilinearAttentionBlock"]
     _is_stateful = True
     _supports_flash_attn = False
-    _supports_sdpa = False
+    _supports_sdpa = True  # the hybrids' attention layers (transformers' attention interface; eager works too)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -299,10 +429,13 @@ class BilinearPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
         elif isinstance(module, BilinearShortConv):
             init.zeros_(module.weight)
+        elif isinstance(module, BilinearAttention):  # scaled down with depth, as the mixers' output projections
+            init.normal_(module.o_proj.weight, mean=0.0,
+                         std=self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers))
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model builds its own recurrent cache
+        return False  # generate() would build a plain DynamicCache: the model builds its BilinearCache instead
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """AdamW parameter groups (nanoGPT's ``configure_optimizers``): ``[{"params": decay, "weight_decay":
@@ -335,14 +468,23 @@ class BilinearPreTrainedModel(PreTrainedModel):
 
 
 class BilinearModel(BilinearPreTrainedModel):
-    """Embeddings, a stack of bilinear blocks and a final norm (no positional embedding: the recurrence is ordered)."""
+    """Embeddings, a stack of blocks (bilinear, or attention in a hybrid: ``config.layer_types``) and a final norm (no
+    positional embedding: the recurrence is ordered; the attention layers have rotary embeddings)."""
 
     def __init__(self, config: BilinearConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([BilinearBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([
+            BilinearBlock(config, i) if kind == "bilinear" else BilinearAttentionBlock(config, i)
+            for i, kind in enumerate(config.layer_types)])
+        self.rotary_emb = BilinearRotaryEmbedding(config) if self.attention_types else None
         self.norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
+
+    @property
+    def attention_types(self) -> set[str]:
+        """The attention layer types present (empty for a pure bilinear model)."""
+        return set(self.config.layer_types) - {"bilinear"}
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -350,10 +492,25 @@ class BilinearModel(BilinearPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    def attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, document_start):
+        """transformers' mask for each attention layer type present (``{"full_attention": ...,
+        "sliding_attention": ...}``) from the whole sequence's 2D ``attention_mask``; ``document_start`` (``[B, T]``
+        absolute positions, or None) restricts each query to the keys of its own document."""
+        offset = cache.get_seq_length() if cache is not None else 0
+        same_document = None
+        if document_start is not None:
+            def same_document(batch_idx, head_idx, q_idx, kv_idx):
+                return kv_idx >= document_start[batch_idx, q_idx - offset]
+        kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                      past_key_values=cache, position_ids=position_ids, and_mask_function=same_document)
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: make[kind](**kwargs) for kind in self.attention_types}
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         past_key_values: BilinearCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
@@ -362,6 +519,8 @@ class BilinearModel(BilinearPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> BilinearModelOutput:
+        """``position_ids`` (``[B, T]``, the attention layers' rotary positions) default to the positions consumed
+        so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BilinearModel.forward: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -376,12 +535,12 @@ class BilinearModel(BilinearPreTrainedModel):
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
-            past_key_values = BilinearCache(self.config.num_hidden_layers)
-        T = inputs_embeds.shape[1]
-        offset = past_key_values.seen_tokens if past_key_values is not None else 0
+            past_key_values = BilinearCache(self.config)
+        B, T = inputs_embeds.shape[:2]
+        offset = past_key_values.get_seq_length() if past_key_values is not None else 0
         mask = None
         if attention_mask is not None:
-            check_attention_mask(attention_mask, inputs_embeds.shape[:2], offset)
+            check_attention_mask(attention_mask, (B, T), offset, bool(self.attention_types))
             # generate() passes the mask of the whole sequence so far: keep the columns of this call.
             mask = attention_mask[:, -T:]
             if bool(mask.all()):
@@ -393,24 +552,35 @@ class BilinearModel(BilinearPreTrainedModel):
             if past_key_values is not None:
                 past_key_values.follows_eos = follows_eos
 
+        if self.attention_types:
+            if position_ids is None:
+                position_ids = torch.arange(offset, offset + T, device=inputs_embeds.device).expand(B, T)
+            document_start = None
+            if reset is not None:
+                positions = torch.arange(offset, offset + T, device=reset.device)
+                carried = past_key_values.document_start if past_key_values is not None \
+                    and past_key_values.document_start is not None else reset.new_zeros(B, dtype=torch.long)
+                document_start = torch.maximum(torch.where(reset, positions, -1).cummax(dim=1).values, carried[:, None])
+                if past_key_values is not None:
+                    past_key_values.document_start = document_start[:, -1]
+            masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, document_start)
+            position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_mixer_states = () if output_mixer_states else None
-        for i, layer in enumerate(self.layers):
-            state, conv_state = (None, None) if past_key_values is None else \
-                (past_key_values.states[i], past_key_values.conv_states[i])
-            hidden_states, states, final_state, conv_state = layer(hidden_states, state, mask, offset, conv_state, reset)
-            if output_mixer_states:
-                all_mixer_states += (states,)
-            if past_key_values is not None:
-                past_key_values.states[i], past_key_values.conv_states[i] = final_state, conv_state
+        for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
+            if kind == "bilinear":
+                hidden_states, states = layer(hidden_states, past_key_values, mask, offset, reset)
+                if output_mixer_states:
+                    all_mixer_states += (states,)
+            else:
+                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values)
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        if past_key_values is not None:
-            past_key_values.seen_tokens += T
         return BilinearModelOutput(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
@@ -440,6 +610,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         past_key_values: BilinearCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -453,6 +624,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
@@ -474,4 +646,4 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["BilinearCache", "BilinearModel", "BilinearForCausalLM", "BilinearPreTrainedModel"]
+__all__ = ["BilinearCache", "BilinearLayerCache", "BilinearModel", "BilinearForCausalLM", "BilinearPreTrainedModel"]
