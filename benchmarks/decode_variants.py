@@ -8,6 +8,7 @@ GEMV through ``dispatch.linear``, else ``F.linear``) and the state step (the com
 """
 import argparse
 import contextlib
+import copy
 import time
 
 import torch
@@ -68,9 +69,7 @@ def main(argv=None):
         for _ in range(args.reps):
             for name, (gemv, step) in VARIANTS.items():
                 with variant(model, gemv, step):
-                    cache = type(out.past_key_values)(model.config.num_hidden_layers)
-                    cache.states = list(out.past_key_values.states)
-                    cache.seen_tokens = out.past_key_values.seen_tokens
+                    cache = copy.deepcopy(out.past_key_values)
                     results[name].append(ms_per_token(model, cache, out.logits[:, -1:].argmax(-1), args.new_tokens))
         for name, values in results.items():
             lines.append(f"| {size} | {name} | {' / '.join(f'{v:.2f}' for v in values)} | {min(values):.2f} |")

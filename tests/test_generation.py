@@ -14,19 +14,23 @@ from bilinear_lm import BilinearCache, BilinearForCausalLM
 PAD = 0
 
 
+HYBRIDS = [{"layer_types": ["bilinear", "full_attention"], "conv_width": 3, "num_key_value_heads": 2},
+           {"layer_types": ["sliding_attention", "bilinear"], "sliding_window": 4}]
+
+
 @pytest.fixture(params=[{}, {"conv_width": 3}, {"write_channel": True},
-                        {"write_channel": True, "coupled_write": True}],
-                ids=["pure", "conv3", "write-channel", "coupled-write"])
+                        {"write_channel": True, "coupled_write": True}, *HYBRIDS],
+                ids=["pure", "conv3", "write-channel", "coupled-write", "hybrid", "hybrid-sliding"])
 def model(request, tiny_bilinear_config):
-    """The tiny model, and the same with the ablations that add cached state (the convolution gets random weights:
-    at init it is the identity, which would hide a wrong cache)."""
+    """The tiny model, the same with the ablations that add cached state (the convolution gets random weights: at
+    init it is the identity, which would hide a wrong cache), and hybrids with a full or sliding attention layer."""
     torch.manual_seed(0)
     tiny_bilinear_config.pad_token_id = PAD
     for key, value in request.param.items():
         setattr(tiny_bilinear_config, key, value)
     model = BilinearForCausalLM(tiny_bilinear_config).double().eval()
     for layer in model.model.layers:
-        if layer.conv is not None:
+        if getattr(layer, "conv", None) is not None:
             torch.nn.init.normal_(layer.conv.weight, std=0.5)
     return model
 

@@ -127,6 +127,14 @@ class BilinearConfig(PreTrainedConfig):
         self._validate()
         super().__post_init__(**kwargs)
 
+    def validate(self):
+        """transformers' ``@strict`` validators (``save_pretrained`` runs them) but ``validate_layer_type``, whose
+        allowed types do not include ``"bilinear"``, then this config's own checks (``layer_types`` among them)."""
+        for validator in self.__class_validators__:
+            if validator.__name__ != "validate_layer_type":
+                validator(self)
+        self._validate()
+
     def _validate(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "state_size", "rank",
                     "block_size", "intermediate_size")
