@@ -11,7 +11,9 @@ Three protocols, importable (each returns ``(total_nll, n_tokens)``):
 * ``rolling``: lm-eval-harness's ``loglikelihood_rolling`` windows (disjoint ``max_length`` windows),
   to reproduce its per-document numbers.
 Attention models return a growing KV cache, not a recurrent state: streaming refuses them (names
-``--mode strided``); ``--mode both`` then reports strided only, with a note.
+``--mode strided``); ``--mode both`` then reports strided only, with a note. A bilinear hybrid streams exactly when its
+attention layers are all sliding-window ones (their cache keeps a fixed window); with a full-attention layer it is an
+attention model here.
 
 Conventions (shared with lm-eval-harness rolling loglikelihood):
 the text is tokenized once without special tokens and a single prefix token (BOS, else EOS) is
@@ -97,20 +99,20 @@ def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 def cache_kind(model, cache) -> str:
-    """Classify a returned ``past_key_values``: "none", "kv" (grows with the context: attention) or
-    "recurrent" (fixed-size state)."""
+    """Classify a returned ``past_key_values``: "none", "kv" (grows with the context: full attention, also a hybrid's
+    full-attention layers) or "recurrent" (fixed-size: recurrent states, sliding-window attention)."""
     if cache is None:
         return "none"
-    if getattr(getattr(model, "config", None), "model_type", None) in RECURRENT_MODEL_TYPES:
-        return "recurrent"
     try:
         from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
     except Exception:  # pragma: no cover
         return "recurrent"
     if isinstance(cache, Cache):
         layers = getattr(cache, "layers", None) or []
-        if any(isinstance(layer, (DynamicLayer, StaticLayer)) for layer in layers):
-            return "kv"
+        growing = (isinstance(layer, (DynamicLayer, StaticLayer)) and not getattr(layer, "is_sliding", False)
+                   for layer in layers)
+        return "kv" if any(growing) else "recurrent"
+    if getattr(getattr(model, "config", None), "model_type", None) in RECURRENT_MODEL_TYPES:
         return "recurrent"
     if isinstance(cache, (tuple, list)) and cache and isinstance(cache[0], (tuple, list)):
         return "kv"  # legacy ((k, v), ...) format

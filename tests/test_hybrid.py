@@ -1,0 +1,266 @@
+"""Hybrid layouts: attention layers among the bilinear ones (``layer_types``), on transformers' ``DynamicCache``."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
+from bilinear_lm.evaluation import perplexity as ppl
+from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
+from bilinear_lm.modeling.modeling_bilinear import BilinearLayerCache
+
+EOS = 3
+WINDOW = 3
+
+
+def hybrid_config(base, **changes):
+    """The tiny config as 4 layers: bilinear, full attention, sliding attention, bilinear (convolutions on)."""
+    return BilinearConfig(**{**base.to_dict(), "num_hidden_layers": 4, "conv_width": 3, "num_key_value_heads": 2,
+                             "layer_types": ["bilinear", "full_attention", "sliding_attention", "bilinear"],
+                             "sliding_window": WINDOW, **changes})
+
+
+def build(config, seed=0):
+    torch.manual_seed(seed)
+    model = BilinearForCausalLM(config).double().eval()
+    for layer in model.model.layers:  # zero at init: the identity would hide a wrong window
+        if getattr(layer, "conv", None) is not None:
+            torch.nn.init.normal_(layer.conv.weight, std=0.5)
+    return model
+
+
+def left_padded(vocab_size, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(4, vocab_size, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def test_the_cache_is_transformers_dynamic_cache_with_one_layer_type_per_layer(tiny_bilinear_config):
+    model = build(hybrid_config(tiny_bilinear_config))
+    ids = torch.randint(4, 60, (2, 8))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    assert isinstance(cache, BilinearCache)
+    assert [type(layer) for layer in cache.layers] == [BilinearLayerCache, DynamicLayer, DynamicSlidingWindowLayer,
+                                                       BilinearLayerCache]
+    assert [cache.get_seq_length(i) for i in range(4)] == [8] * 4
+    assert cache.layers[1].keys.shape[-2] == 8 and cache.layers[2].keys.shape[-2] == WINDOW - 1
+
+
+def test_full_forward_equals_the_token_by_token_cached_loop_with_left_padding(tiny_bilinear_config):
+    model = build(hybrid_config(tiny_bilinear_config))
+    ids, mask = left_padded(60, [14, 9, 5])
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        cache, steps = None, []
+        for t in range(ids.shape[1]):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+    stepped = torch.cat(steps, 1)
+    valid = mask.bool()
+    torch.testing.assert_close(stepped[valid], full[valid], rtol=1e-10, atol=1e-10)
+
+
+def reference_attention(attention, config, x, visible):
+    """Plain masked softmax attention in fp64, written out: projections, rotary embedding at positions 0..T-1
+    (``theta^(-2i/d)``), each query head on its key/value group, softmax over the ``visible`` [B, T, T] keys."""
+    B, T, D = x.shape
+    H, G = config.num_attention_heads, config.num_key_value_heads
+    d = D // H
+    q = (x @ attention.q_proj.weight.T).view(B, T, H, d)
+    k = (x @ attention.k_proj.weight.T).view(B, T, G, d)
+    v = (x @ attention.v_proj.weight.T).view(B, T, G, d)
+    theta = config.rope_parameters["rope_theta"]
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]
+
+    def rotate(t):
+        first, second = t[..., :d // 2], t[..., d // 2:]
+        return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+    q, k = rotate(q), rotate(k).repeat_interleave(H // G, dim=2)
+    v = v.repeat_interleave(H // G, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    weights = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, D) @ attention.o_proj.weight.T
+
+
+@pytest.mark.parametrize("kind,layer_idx", [("full_attention", 1), ("sliding_attention", 2)])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_attention_layer_equals_plain_masked_softmax(tiny_bilinear_config, kind, layer_idx, implementation):
+    """The full layer against a causal + padding mask, the sliding layer against an explicit band of WINDOW
+    positions (itself included), both built by hand."""
+    model = build(hybrid_config(tiny_bilinear_config))
+    model.config._attn_implementation = implementation
+    _, mask = left_padded(60, [12, 7])
+    B, T = mask.shape
+    x = torch.randn(B, T, tiny_bilinear_config.hidden_size, dtype=torch.float64)
+    positions = torch.arange(T).expand(B, T)
+    attention = model.model.layers[layer_idx].attention
+    with torch.no_grad():
+        masks = model.model.attention_masks(x, mask, None, positions, None)
+        out = attention(x, model.model.rotary_emb(x, positions), masks[kind])
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = (j <= i) & mask.bool()[:, None, :]
+    if kind == "sliding_attention":
+        visible &= i - j < WINDOW
+    valid = mask.bool()  # a padded query sees no key: its output is whatever the implementation makes of that
+    expected = reference_attention(attention, model.config, x, visible)
+    torch.testing.assert_close(out[valid], expected[valid], rtol=1e-5, atol=1e-6)  # Llama's rotary is fp32
+
+
+def _packed_documents(vocab_size, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(4, vocab_size, (n,), generator=g) for n in lengths]
+    return docs, torch.cat([torch.cat([d, torch.tensor([EOS])]) for d in docs])
+
+
+def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config):
+    """With ``reset_state_at_eos`` the attention layers do not look past an EOS either."""
+    model = build(hybrid_config(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS))
+    docs, packed = _packed_documents(60, [7, 1, 12, 5])
+    with torch.no_grad():
+        logits = model(packed[None]).logits[0]
+        start = 0
+        for doc in docs:
+            alone = model(torch.cat([doc, torch.tensor([EOS])])[None]).logits[0]
+            torch.testing.assert_close(logits[start:start + len(doc) + 1], alone, rtol=1e-7, atol=1e-7)
+            start += len(doc) + 1
+
+
+def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config):
+    model = build(hybrid_config(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS))
+    _, packed = _packed_documents(60, [6, 3, 8], seed=1)
+    ids = torch.stack([packed, packed.roll(4)])
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :7], use_cache=True)  # ends on row 0's first EOS
+        pieces, cache = [out.logits], out.past_key_values
+        assert cache.follows_eos.tolist() == [True, bool(ids[1, 6] == EOS)]
+        for t in range(7, ids.shape[1]):
+            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_a_short_mask_after_cached_tokens_is_refused_with_attention_layers(tiny_bilinear_config):
+    model = build(hybrid_config(tiny_bilinear_config))
+    ids = torch.randint(4, 60, (2, 6))
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"pass a mask of shape \[2, 6\] \(the whole sequence's"):
+            model(ids[:, 5:], attention_mask=torch.ones(2, 1), past_key_values=cache)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"layer_types": ["bilinear"]}, r"layer_types must list one of .* per layer \(num_hidden_layers=2\)"),
+    ({"layer_types": ["bilinear", "attention"]}, "interleaved_layer_types"),
+    ({"layer_types": ["bilinear", "sliding_attention"]}, "sliding_window must be a positive integer"),
+    ({"layer_types": ["bilinear", "full_attention"], "num_attention_heads": 5}, "must divide hidden_size"),
+    ({"layer_types": ["bilinear", "full_attention"], "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+     "only rope_type 'default'"),
+])
+def test_bad_hybrid_configs_name_the_field_and_the_fix(tiny_bilinear_config, changes, message):
+    with pytest.raises(ValueError, match=message):
+        BilinearConfig(**{**tiny_bilinear_config.to_dict(), **changes})
+
+
+def test_interleaved_layer_types():
+    assert interleaved_layer_types(8, 4) == ["bilinear"] * 3 + ["full_attention"] + ["bilinear"] * 3 + [
+        "full_attention"]
+    assert interleaved_layer_types(3, 2, "sliding_attention") == ["bilinear", "sliding_attention", "bilinear"]
+    with pytest.raises(ValueError, match="attention_every must be a positive integer"):
+        interleaved_layer_types(4, 0)
+
+
+def test_save_reload_and_remote_code_without_the_package(tiny_bilinear_config, tmp_path):
+    model = build(hybrid_config(tiny_bilinear_config)).float()
+    model.save_pretrained(tmp_path / "ckpt")
+    ids, mask = left_padded(60, [9, 6])
+    with torch.no_grad():
+        expected = {"ids": ids, "mask": mask, "logits": model(ids, attention_mask=mask).logits,
+                    "gen": model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)}
+    torch.save(expected, tmp_path / "expected.pt")
+    reloaded = BilinearForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    assert reloaded.config.layer_types == model.config.layer_types
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, expected["logits"], rtol=0, atol=0)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["bilinear_lm"] = None  # the package is not importable here
+        import torch
+        from transformers import AutoModelForCausalLM
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            logits = model(expected["ids"], attention_mask=expected["mask"]).logits
+        torch.testing.assert_close(logits, expected["logits"], rtol=1e-5, atol=1e-6)
+        gen = model.generate(expected["ids"], attention_mask=expected["mask"], max_new_tokens=5, do_sample=False)
+        assert torch.equal(gen, expected["gen"])
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_sampling_and_beam_search_run(tiny_bilinear_config):
+    model = build(hybrid_config(tiny_bilinear_config))
+    ids, mask = left_padded(60, [6, 4])
+    torch.manual_seed(0)
+    sampled = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=10)
+    beams = model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                           do_sample=False)
+    assert sampled.shape == (2, 12) and beams.shape == (4, 12)
+
+
+def _nll(model, ids):
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, :-1]
+    return float(torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum"))
+
+
+def test_streaming_perplexity_is_exact_with_sliding_windows_and_refused_with_full_attention(tiny_bilinear_config):
+    ids = torch.randint(4, 60, (50,))
+    sliding = build(hybrid_config(tiny_bilinear_config,
+                                  layer_types=["bilinear", "sliding_attention", "sliding_attention", "bilinear"]))
+    nll, count = ppl.streaming_perplexity(sliding, ids, segment_len=7)
+    assert count == 49 and nll == pytest.approx(_nll(sliding, ids), rel=1e-9)
+    with pytest.raises(ValueError, match="--mode strided"):
+        ppl.streaming_perplexity(build(hybrid_config(tiny_bilinear_config)), ids, segment_len=7)
+
+
+def test_torch_compile_traces_a_training_step_of_the_hybrid_preset_in_one_graph():
+    """As the tiny preset's test (test_modeling): the hybrid preset's forward and backward trace as one graph and
+    equal eager mode."""
+    import yaml
+
+    from conftest import REPO_ROOT
+
+    model_keys = yaml.safe_load((REPO_ROOT / "bilinear_lm/configs/tiny-hybrid.yaml").read_text())["model"]
+    assert model_keys["layer_types"].count("bilinear") == 3
+    torch.manual_seed(0)
+    model = BilinearForCausalLM(BilinearConfig(vocab_size=512, **model_keys)).train()
+    ids = torch.randint(0, 512, (2, 80))
+    eager = model(input_ids=ids, labels=ids).loss
+    eager.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
