@@ -264,3 +264,23 @@ def test_torch_compile_traces_a_training_step_of_the_hybrid_preset_in_one_graph(
     torch.testing.assert_close(compiled, eager)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+def test_text_generation_pipeline_batches_with_left_padding(tiny_bilinear_config):
+    import copy
+
+    from transformers import pipeline
+
+    from fixtures import cached_tokenizer
+
+    tokenizer = copy.deepcopy(cached_tokenizer())
+    tokenizer.padding_side = "left"
+    model = build(hybrid_config(tiny_bilinear_config, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id)).float()
+    prompts = ["The history of the", "A"]
+    out = pipeline("text-generation", model=model, tokenizer=tokenizer)(prompts, max_new_tokens=6, do_sample=False,
+                                                                         batch_size=2)
+    for prompt, result in zip(prompts, out):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        alone = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert result[0]["generated_text"] == prompt + tokenizer.decode(alone[0, ids.shape[1]:])

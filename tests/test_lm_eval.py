@@ -18,7 +18,8 @@ from bilinear_lm.evaluation.lm_eval_tasks import bilinear_local_utils as local
 from fixtures import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_TYPES = ["llama", "bilinear"]
+MODEL_TYPES = ["llama", "bilinear", "hybrid"]
+HYBRID = dict(layer_types=["bilinear", "sliding_attention"], sliding_window=16)  # a window: streaming stays exact
 N_WIKI, N_LAMBADA = 3, 6
 
 
@@ -83,7 +84,8 @@ _MODELS = {}
 
 def get_model(model_type, vocab_size):
     if model_type not in _MODELS:
-        _MODELS[model_type] = build_tiny_model(model_type, vocab_size, seed=3)
+        _MODELS[model_type] = build_tiny_model("bilinear", vocab_size, seed=3, **HYBRID) if model_type == "hybrid" \
+            else build_tiny_model(model_type, vocab_size, seed=3)
     return _MODELS[model_type]
 
 
@@ -146,8 +148,8 @@ def lambada_reference(model, tokenizer, texts):
 def test_lm_eval_agrees_with_perplexity_module(model_type, tokenizer, small_data_dir, monkeypatch):
     """lm-eval's rolling loglikelihood (right-padded batches of windows from documents of different
     lengths) equals bilinear_lm.evaluation.perplexity on the same tokens: llama with 48-token windows ==
-    rolling_perplexity(max_length=48); bilinear with one window per document == streaming with the
-    recurrent state carried across 37-token segments."""
+    rolling_perplexity(max_length=48); bilinear (and a hybrid with a sliding-window attention layer) with one window
+    per document == streaming with the recurrent state carried across 37-token segments."""
     monkeypatch.setenv(local.DATA_ENV, str(small_data_dir))
     model = get_model(model_type, len(tokenizer))
     window = 48 if model_type == "llama" else 100_000
