@@ -284,3 +284,18 @@ def test_text_generation_pipeline_batches_with_left_padding(tiny_bilinear_config
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         alone = model.generate(ids, max_new_tokens=6, do_sample=False)
         assert result[0]["generated_text"] == prompt + tokenizer.decode(alone[0, ids.shape[1]:])
+
+
+def test_train_py_trains_samples_and_saves_the_hybrid_preset(tmp_path, monkeypatch):
+    import train
+
+    from conftest import REPO_ROOT
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = {"config": REPO_ROOT / "bilinear_lm/configs/tiny-hybrid.yaml", "tokenizer": "char", "max_steps": 2,
+            "block_size": 32, "batch_size": 2, "eval_interval": 2, "eval_iters": 1, "save_interval": 0,
+            "sample_tokens": 8, "output_dir": tmp_path / "out"}
+    final = train.main([x for k, v in args.items() for x in (f"--{k}", str(v))])
+    assert final["step"] == 2
+    saved = BilinearForCausalLM.from_pretrained(tmp_path / "out")
+    assert saved.config.layer_types == ["bilinear", "bilinear", "bilinear", "full_attention"]
