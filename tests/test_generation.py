@@ -15,8 +15,8 @@ PAD = 0
 
 
 @pytest.fixture(params=[{}, {"conv_width": 3}, {"write_channel": True},
-                        {"write_channel": True, "coupled_write": True}],
-                ids=["pure", "conv3", "write-channel", "coupled-write"])
+                        {"write_channel": True, "coupled_write": True}, {"write_channel": True, "state_columns": 4}],
+                ids=["pure", "conv3", "write-channel", "coupled-write", "matrix-state"])
 def model(request, tiny_bilinear_config):
     """The tiny model, and the same with the ablations that add cached state (the convolution gets random weights:
     at init it is the identity, which would hide a wrong cache)."""
