@@ -37,10 +37,11 @@ def outer_product_loop(mixer, x, mask):
     projected: the mixer's definition, one position and one head at a time, never normalized (c per column as
     ``h_start`` holds it)."""
     cfg, tr = mixer.config, mixer.transition
-    N, H, R, P = cfg.num_heads, cfg.state_size, cfg.rank, cfg.state_columns
+    N, H, P = cfg.num_heads, cfg.state_size, cfg.state_columns
+    R = 0 if cfg.mixer_type == "identity" else cfg.rank  # identity: no input factors, A = I
     raw, gate, _, query = mixer.in_proj(x).split(mixer.split_sizes, dim=-1)
     raw = raw.view(*x.shape[:2], N, -1)
-    u = raw[..., :R] + tr.factor_bias
+    u = raw[..., :R] + tr.factor_bias if R else None
     b, gamma, k = raw[..., R:R + H], raw[..., R + H].exp(), F.normalize(raw[..., R + H + 1:], dim=-1)
     q = query.view(*x.shape[:2], N, P)
     start = mixer.h_start.view(N, P, H + 1)
@@ -49,7 +50,7 @@ def outer_product_loop(mixer, x, mask):
         S, c = start[..., :H].transpose(1, 2), start[..., H]  # [N, H, P], [N, P]
         for t in range(x.shape[1]):
             if mask[row, t]:
-                A = torch.einsum("nir,nr,njr->nij", tr.W1, u[row, t], tr.W2)
+                A = torch.einsum("nir,nr,njr->nij", tr.W1, u[row, t], tr.W2) if R else torch.eye(H, dtype=x.dtype)
                 S = A @ S + b[row, t, :, :, None] * (k[row, t] * c)[:, None, :]
                 c = gamma[row, t, :, None] * c
             ys.append(torch.einsum("nhp,np->nh", S, q[row, t]))
@@ -57,11 +58,12 @@ def outer_product_loop(mixer, x, mask):
     return mixer.out_proj(y)
 
 
+@pytest.mark.parametrize("mixer_type", ["cp", "identity"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_the_mixer_is_the_outer_product_recurrence(impl):
+def test_the_mixer_is_the_outer_product_recurrence(impl, mixer_type):
     """Outputs and every parameter's gradient equal the unnormalized outer-product loop (the normalization every 3
-    positions and the padding must change nothing)."""
-    mixer = matrix_mixer(impl)
+    positions and the padding must change nothing); ``identity`` is gated linear attention, ``A = I``."""
+    mixer = matrix_mixer(impl, mixer_type=mixer_type)
     x = torch.randn(3, 8, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 8, dtype=torch.long)
     mask[1, :3] = 0

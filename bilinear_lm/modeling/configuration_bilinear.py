@@ -27,6 +27,8 @@ class BilinearConfig(PreTrainedConfig):
     - `rotation`: 2x2 rotation/scaling blocks (a complex diagonal), each entry linear in `x`.
     - `diagonal`: a real diagonal, linear in `x` (may be negative).
     - `positive_diagonal`: a diagonal in (0, 1) (`sigmoid`), Mamba-like.
+    - `identity`: `A = I`, nothing learned: with `write_channel` and `state_columns`, gated linear attention (the
+      ablation of `A`).
 
     Because the update is homogeneous in `h` and every head's output normalizes its own state, the model is
     exactly invariant to the scale of each head's state: every `norm_chunk_size` positions the state is divided
@@ -130,10 +132,13 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError(
                 f"BilinearConfig.recurrence_impl must be one of {RECURRENCE_IMPLS}, got {self.recurrence_impl!r}"
             )
-        if self.write_channel and (self.mixer_type != "cp" or self.additive_input):
-            raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' without additive_input (it is a CP "
-                             f"transition on [h; c]); got mixer_type={self.mixer_type!r}, "
+        if self.write_channel and (self.mixer_type not in ("cp", "identity") or self.additive_input):
+            raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' (or 'identity') without "
+                             f"additive_input (it is a CP transition on [h; c]); got mixer_type={self.mixer_type!r}, "
                              f"additive_input={self.additive_input}")
+        if self.mixer_type == "identity" and (not self.write_channel or self.coupled_write):
+            raise ValueError("BilinearConfig.mixer_type='identity' (A = I) needs write_channel=True without "
+                             "coupled_write: without writes its state never changes")
         if self.state_columns & (self.state_columns - 1):
             raise ValueError(f"BilinearConfig.state_columns must be a power of two (1, 2, 4, ...), got "
                              f"{self.state_columns}")

@@ -165,6 +165,31 @@ class CP(Transition):
         return CPTransition(W1, W2)
 
 
+class Identity(CP):
+    """``A = I`` (``W1 = W2 = I`` fixed, ``u = 1``; nothing learned): with the write channel and ``state_columns``,
+    ``S_t = S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``c_t = gamma(x) c_{t-1}`` is gated linear attention, the ablation
+    of ``A`` (every projection row it reads is the write's)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        N, H = config.num_heads, config.state_size
+        del self.W1, self.W2, self.factor_bias
+        self.register_buffer("W1", torch.eye(H).expand(N, H, H).clone(), persistent=False)
+        self.register_buffer("W2", self.W1.clone(), persistent=False)
+        self.input_size -= self.factor_size  # no rows for u
+        self.factor_size = H
+
+    def input_init_std(self):
+        return torch.full((self.input_size,), self.config.initializer_range)
+
+    def reset_parameters(self):
+        pass
+
+    def factors(self, raw):
+        """``[b | log gamma]`` projections -> ``[u = 1 | b | gamma]``."""
+        return torch.cat([raw.new_ones(*raw.shape[:-1], self.factor_size), raw[..., :-1], raw[..., -1:].exp()], -1)
+
+
 class Full(Transition):
     """``A(x) = sum_k u_k(x) W_k``: one ``H x H`` matrix per input factor (``rank`` of them), ``W: [N, H, H, R]``."""
 
@@ -240,8 +265,9 @@ class PositiveDiagonal(Diagonal):
         return torch.sigmoid(factors)
 
 
-# mixer_type -> class (the expressivity hierarchy: full > cp > block_diagonal > rotation > diagonal > positive).
-TRANSITIONS = {"cp": CP, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation, "diagonal": Diagonal,
+# mixer_type -> class (the expressivity hierarchy: full > cp > block_diagonal > rotation > diagonal > positive; identity
+# is the ablation of A, linear attention with the write channel).
+TRANSITIONS = {"cp": CP, "identity": Identity, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation, "diagonal": Diagonal,
                "positive_diagonal": PositiveDiagonal}
 
 
