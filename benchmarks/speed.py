@@ -8,10 +8,11 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
 - ``peak``: measured fp32 and bf16 matmul peak of this CPU (the MFU denominator).
 - ``train``: training tokens/s (forward + backward + AdamW step) at each sequence length, fp32 and bf16
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
-  Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines); plus model FLOPs
+  Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines), and on request
+  ``bilinear-matrixP`` (the matrix state: write channel, ``state_columns = P``; not matched); plus model FLOPs
   utilization and the share of the bilinear step spent in the recurrence.
 - ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
-  bilinear (recurrent state) against Llama (KV cache).
+  bilinear (recurrent state; and the ``bilinear-matrixP`` of ``--models``) against Llama (KV cache).
 - ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
   rank 256, batch 64, lengths 2-10).
 
@@ -69,6 +70,9 @@ def build(name: str, size: str, max_positions: int = 4096):
     model_cfg = SIZES[size]
     if name == "bilinear-reference":
         return build_model("bilinear", {**model_cfg, "recurrence_impl": "reference"}, VOCAB)
+    if name.startswith("bilinear-matrix"):
+        columns = int(name.removeprefix("bilinear-matrix"))
+        return build_model("bilinear", {**model_cfg, "write_channel": True, "state_columns": columns}, VOCAB)
     model = build_model(name, model_cfg, VOCAB)
     if name == "llama":
         model.config.max_position_embeddings = max_positions
@@ -201,7 +205,7 @@ def part_generate(args):
     lines = ["| size | model | context | ms/token | cache MiB |", "|---|---|---|---|---|"]
     latency = {}
     size = args.sizes[-1]
-    for name in ("bilinear", "llama"):
+    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith("bilinear-matrix"))):
         torch.manual_seed(0)
         model = build(name, size, max_positions=max(args.contexts) + 64).eval()
         for context in args.contexts:

@@ -225,7 +225,8 @@ def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
     assert model(ids).mixer_states is None
 
 
-def test_torch_compile_traces_a_training_step_of_the_tiny_preset_in_one_graph():
+@pytest.mark.parametrize("changes", [{}, {"write_channel": True, "state_columns": 4}], ids=["pure", "matrix-state"])
+def test_torch_compile_traces_a_training_step_of_the_tiny_preset_in_one_graph(changes):
     """The scans are custom ops with fake implementations: the whole forward and backward trace as one graph
     (``fullgraph=True`` fails on any graph break), and the compiled step's loss and gradients equal eager mode."""
     import yaml
@@ -234,7 +235,7 @@ def test_torch_compile_traces_a_training_step_of_the_tiny_preset_in_one_graph():
 
     model_keys = yaml.safe_load((REPO_ROOT / "bilinear_lm/configs/tiny.yaml").read_text())["model"]
     torch.manual_seed(0)
-    model = BilinearForCausalLM(BilinearConfig(vocab_size=512, **model_keys)).train()
+    model = BilinearForCausalLM(BilinearConfig(vocab_size=512, **{**model_keys, **changes})).train()
     ids = torch.randint(0, 512, (2, 80))  # past one normalization boundary (norm_chunk_size 64)
     eager = model(input_ids=ids, labels=ids).loss
     eager.backward()
@@ -329,8 +330,9 @@ def _packed_documents(vocab_size, lengths, seed=0):
 
 @pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
 @pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"write_channel": True},
-                                     {"write_channel": True, "coupled_write": True}],
-                         ids=["pure", "conv", "write", "coupled-write"])
+                                     {"write_channel": True, "coupled_write": True},
+                                     {"write_channel": True, "state_columns": 4}],
+                         ids=["pure", "conv", "write", "coupled-write", "matrix-state"])
 def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, impl, changes):
     config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, recurrence_impl=impl,
                           **changes)
@@ -350,7 +352,8 @@ def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, i
     assert (plain[9:] - logits[9:]).abs().max() > 1e-3  # without the reset the second document sees the first
 
 
-@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}], ids=["pure", "conv"])
+@pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"write_channel": True, "state_columns": 4}],
+                         ids=["pure", "conv", "matrix-state"])
 def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config, changes):
     """Prefill ending on EOS, then one token per call: the cache carries
     whether the last token was EOS, and the logits equal one full forward."""

@@ -22,28 +22,33 @@ def relative_error(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("T,B,R,H,chunk,offset,masked,restarts,scale,dtype", [
-    (1, 3, 6, 6, 1, 0, False, False, 1.0, torch.float32),
-    (33, 19, 7, 5, 4, 1, True, True, 1.0, torch.float64),  # B not a multiple of the 16-row block; R, H odd
-    (65, 3, 20, 9, 16, 5, True, False, 1e4, torch.float64),  # every row overflows: the guard redoes segments
-    (40, 5, 6, 6, 16, 0, False, True, 1e-4, torch.float64),  # every row underflows
-    (33, 17, 18, 33, 0, 0, True, True, 1.0, torch.float32),  # no normalization; R, H past a power of two
+@pytest.mark.parametrize("T,B,R,H,chunk,offset,masked,restarts,scale,dtype,columns", [
+    (1, 3, 6, 6, 1, 0, False, False, 1.0, torch.float32, 1),
+    (21, 24, 6, 5, 4, 1, True, True, 1.0, torch.float64, 4),  # matrix states: groups of 4 rows normalized together
+    (19, 64, 5, 4, 8, 0, True, True, 1e4, torch.float64, 32),  # groups wider than the 16-row block; the guard
+    (33, 19, 7, 5, 4, 1, True, True, 1.0, torch.float64, 1),  # B not a multiple of the 16-row block; R, H odd
+    (65, 3, 20, 9, 16, 5, True, False, 1e4, torch.float64, 1),  # every row overflows: the guard redoes segments
+    (40, 5, 6, 6, 16, 0, False, True, 1e-4, torch.float64, 1),  # every row underflows
+    (33, 17, 18, 33, 0, 0, True, True, 1.0, torch.float32, 1),  # no normalization; R, H past a power of two
 ])
-def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, restarts, scale, dtype):
+def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, restarts, scale, dtype, columns):
     g = torch.Generator().manual_seed(T + B)
     N = 2
     u = (1 + 0.5 * torch.randn(T, N, B, R, generator=g, dtype=dtype)) * scale
     W1 = torch.randn(N, H, R, generator=g, dtype=dtype) / R ** 0.5
     Mt = torch.einsum("nhr,nhs->nrs", W1, torch.randn(N, H, R, generator=g, dtype=dtype) / H ** 0.5).contiguous()
     p0 = torch.randn(N, B, R, generator=g, dtype=dtype)
-    keep = torch.rand(T, B, generator=g) > 0.3 if masked else torch.empty(0, dtype=torch.bool)
-    restart = torch.rand(T, B, generator=g) > 0.8 if restarts else torch.empty(0, dtype=torch.bool)
+    # A row's padding and restarts are those of its group (the columns of one sequence's state).
+    keep = (torch.rand(T, B // columns, generator=g) > 0.3).repeat_interleave(columns, 1) if masked \
+        else torch.empty(0, dtype=torch.bool)
+    restart = (torch.rand(T, B // columns, generator=g) > 0.8).repeat_interleave(columns, 1) if restarts \
+        else torch.empty(0, dtype=torch.bool)
     if masked and restarts:
         restart &= keep
-    p_start = torch.randn(N, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
+    p_start = torch.randn(N, columns, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
-    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns)
+    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns)
     for name, a, b in zip("GPS", got, expected):
         assert relative_error(a, b) < tol, name
     dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
@@ -86,7 +91,8 @@ def test_explicit_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypat
 
 
 def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
-    """``triton.compile`` for sm_90 (ptxas ships with Triton; no GPU needed) at every padded rank the kernels use."""
+    """``triton.compile`` for sm_90 (ptxas ships with Triton; no GPU needed) at every padded rank the kernels use, for
+    vector states and for matrix states of 16 columns."""
     script = textwrap.dedent("""
         import triton
         from triton.backends.compiler import GPUTarget
@@ -101,7 +107,8 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
         for RP in (16, 32, 64, 128):
             flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP,
                      "PRECISION": ts.dot_precision(RP)}
-            for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP}),
+            for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP, "COLUMNS": 1}),
+                                              (ts._forward_kernel, forward, {**flags, "HP": RP, "COLUMNS": 16}),
                                               (ts._backward_kernel, backward, flags)):
                 source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)
                 triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ts.num_warps(RP)})
@@ -112,4 +119,4 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
                             env={**env, "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_CACHE_DIR": str(tmp_path)})  # ptxas reruns
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", result.stdout)]
-    assert len(spills) == 8 and not any(spills), result.stdout[-3000:]
+    assert len(spills) == 12 and not any(spills), result.stdout[-3000:]

@@ -37,6 +37,8 @@ class BilinearConfig(PreTrainedConfig):
     - `rotation`: 2x2 rotation/scaling blocks (a complex diagonal), each entry linear in `x`.
     - `diagonal`: a real diagonal, linear in `x` (may be negative).
     - `positive_diagonal`: a diagonal in (0, 1) (`sigmoid`), Mamba-like.
+    - `identity`: `A = I`, nothing learned: with `write_channel` and `state_columns`, gated linear attention (the
+      ablation of `A`).
 
     Because the update is homogeneous in `h` and every head's output normalizes its own state, the model is
     exactly invariant to the scale of each head's state: every `norm_chunk_size` positions the state is divided
@@ -61,6 +63,12 @@ class BilinearConfig(PreTrainedConfig):
     `coupled_write=True` (with the write channel) makes the write reuse the transition's input factors,
     `b(x) = W1 (u(x) * w)` with a learned `w`: the augmented transition then has rank `rank + 1` instead of
     `rank + state_size + 1`, so it costs about what the pure model does.
+    `state_columns = P > 1` makes each head's state a matrix of `P` columns, each transformed by `A(x)`, read out by
+    a query, `y = StateNorm(S q(x))` (`P * state_size` floats per head; a power of two). With the write channel the
+    write is a key-value outer product through the homogeneous coordinate, `S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`,
+    `c_t = gamma(x) c_{t-1}` (`k` unit-norm): linear attention where `A = I` and `gamma = 1`, and still linear and
+    homogeneous in `(S, c)`, so normalization stays exact. `P = 1` is the vector state (with the write channel:
+    `k = q = 1`).
     `input_factor_multiplier` scales the input factors' projection in the forward pass,
     `u(x) = factor_bias + input_factor_multiplier * (W_u x)`, with `W_u` initialized at
     `input_factor_init_std / input_factor_multiplier` (the same model at initialization). Under Adam, whose steps
@@ -94,6 +102,7 @@ class BilinearConfig(PreTrainedConfig):
     additive_input: bool = False
     conv_width: int = 0
     write_channel: bool = False
+    state_columns: int = 1
     coupled_write: bool = False
     reset_state_at_eos: bool = False
     norm_chunk_size: int = 64
@@ -137,7 +146,7 @@ class BilinearConfig(PreTrainedConfig):
 
     def _validate(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "state_size", "rank",
-                    "block_size", "intermediate_size")
+                    "block_size", "intermediate_size", "state_columns")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -158,10 +167,19 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError(
                 f"BilinearConfig.recurrence_impl must be one of {RECURRENCE_IMPLS}, got {self.recurrence_impl!r}"
             )
-        if self.write_channel and (self.mixer_type != "cp" or self.additive_input):
-            raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' without additive_input (it is a CP "
-                             f"transition on [h; c]); got mixer_type={self.mixer_type!r}, "
+        if self.write_channel and (self.mixer_type not in ("cp", "identity") or self.additive_input):
+            raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' (or 'identity') without "
+                             f"additive_input (it is a CP transition on [h; c]); got mixer_type={self.mixer_type!r}, "
                              f"additive_input={self.additive_input}")
+        if self.mixer_type == "identity" and (not self.write_channel or self.coupled_write):
+            raise ValueError("BilinearConfig.mixer_type='identity' (A = I) needs write_channel=True without "
+                             "coupled_write: without writes its state never changes")
+        if self.state_columns & (self.state_columns - 1):
+            raise ValueError(f"BilinearConfig.state_columns must be a power of two (1, 2, 4, ...), got "
+                             f"{self.state_columns}")
+        if self.state_columns > 1 and (self.additive_input or self.coupled_write):
+            raise ValueError("BilinearConfig.state_columns > 1 works without additive_input and coupled_write (the "
+                             "matrix state's write is the uncoupled write channel's); set them to False")
         if self.coupled_write and not self.write_channel:
             raise ValueError("BilinearConfig.coupled_write needs write_channel=True (it is a form of the write channel)")
         if self.reset_state_at_eos and self.eos_token_id is None:

@@ -123,14 +123,14 @@ _NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan", mutates_args=())
 def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
-            offset: int, restart: torch.Tensor, p_start: torch.Tensor,
+            offset: int, restart: torch.Tensor, p_start: torch.Tensor, columns: int,
             impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rank-space scan ``(G, P, S)`` of ``scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
-    return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns)
 
 
 @cp_scan.register_fake
-def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, impl):
+def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, columns, impl):
     T, N, B, R = u.shape
     return torch.empty_like(u), u.new_empty(T + 1, N, B, R), u.new_empty(T, N, B, 1)
 
@@ -150,10 +150,10 @@ def _(dG, su, MtT, keep, restart, impl):
 
 
 def _cp_scan_setup_context(ctx, inputs, output):
-    u, Mt, _, keep, _, _, _, restart, _, impl = inputs
+    u, Mt, _, keep, _, _, _, restart, _, columns, impl = inputs
     G, P, S = output
     ctx.save_for_backward(u, Mt, keep, restart, G, P, S)
-    ctx.impl = impl
+    ctx.impl, ctx.columns = impl, columns
 
 
 def _cp_scan_backward_rule(ctx, dG, dP, dS):
@@ -164,26 +164,31 @@ def _cp_scan_backward_rule(ctx, dG, dP, dS):
                                               restart, ctx.impl)
     du = S * P[:T] * DGT  # P[t] is step t's input: p_start at a restart
     dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
-    return du, dMt, dp0, None, None, None, None, None, dp_start.sum(1) if restart.numel() else None, None
+    if restart.numel():  # per row -> per column of the start state: [N, columns, R]
+        dp_start = dp_start.unflatten(1, (-1, ctx.columns)).sum(1)
+    return du, dMt, dp0, None, None, None, None, None, dp_start if restart.numel() else None, None, None
 
 
 cp_scan.register_autograd(_cp_scan_backward_rule, setup_context=_cp_scan_setup_context)
 
 
 def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto", reset=None,
-                  h_start=None):
+                  h_start=None, columns: int = 1):
     """The CP-factored recurrence, equal to ``reference_recurrence(CPTransition(W1, W2), u, h0, ...)``.
 
     Args:
         u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
-        mask, chunk, offset, reset, h_start: as in :func:`~.recurrence.reference_recurrence`.
+        mask, chunk, offset, reset: as in :func:`~.recurrence.reference_recurrence`.
+        h_start: ``[N, H]``, or ``[columns, N, H]`` (the start of each column of a head's state).
+        columns: rows per head state (``B = batch * columns``; ``recurrence``'s module docstring).
         impl: see :func:`resolve_impl`.
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
     """
     impl = resolve_impl(impl, u, W1.shape[1])
     if impl == "reference":
-        return reference_recurrence(CPTransition(W1, W2), u, h0, mask, chunk, offset, reset=reset, h_start=h_start)
+        return reference_recurrence(CPTransition(W1, W2), u, h0, mask, chunk, offset, reset=reset,
+                                    h_start=_start_rows(h_start, u.shape[0], columns), columns=columns)
     B, T, N, R = u.shape
     h0 = h0.expand(B, N, W1.shape[1])
     p0 = torch.einsum("nhr,bnh->nbr", W2, h0).contiguous()
@@ -192,9 +197,9 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
     restart, p_start = u.new_empty(0, dtype=torch.bool), u.new_empty(0)
     if reset is not None:
         restart = (reset.bool() if mask is None else reset.bool() & mask.bool()).t().contiguous()
-        p_start = torch.einsum("nhr,nh->nr", W2, h_start).contiguous()
+        p_start = torch.einsum("nhr,pnh->npr", W2, h_start.reshape(-1, *W2.shape[:2])).contiguous()
     G, _, _ = cp_scan(u.permute(1, 2, 0, 3).contiguous(), Mt, p0, keep, W1.detach().contiguous(), chunk, offset,
-                      restart, p_start, impl)
+                      restart, p_start, columns, impl)
     states = torch.einsum("nhr,tnbr->btnh", W1, G)
     if mask is not None:
         # A padded position keeps the last unpadded state (h0 before any): gather it.
@@ -205,11 +210,19 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
     return states, states[:, -1]
 
 
+def _start_rows(h_start, rows: int, columns: int):
+    """``h_start`` (``[N, H]`` or ``[columns, N, H]``) as every row's start, ``[rows, N, H]`` (None stays None)."""
+    if h_start is None:
+        return None
+    return h_start.reshape(-1, *h_start.shape[-2:]).repeat(rows // columns, 1, 1)
+
+
 def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto",
-               additive=None, reset=None, h_start=None):
+               additive=None, reset=None, h_start=None, columns: int = 1):
     """Run a mixer's recurrence over a sequence: ``(states [B, T, N, H], final [B, N, H])``.
 
-    ``transition``: a :class:`~.recurrence.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; the other
+    ``transition``: a :class:`~.recurrence.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; ``h_start``:
+    ``[N, H]`` or ``[columns, N, H]``; ``columns``: rows per head state (``B = batch * columns``); the other
     arguments as in :func:`~.recurrence.reference_recurrence`. A single position runs one
     :func:`~.recurrence.reference_step` (its overflow guard on whenever ``chunk > 0``), or for the CP map on CPU
     without gradients (decoding) the compiled ``cp_step``; longer sequences of the CP map without additive input run
@@ -217,8 +230,9 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
     """
     if impl not in IMPLS:
         raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
+    B = factors.shape[0]
     if factors.shape[1] == 1:
-        h = h0.expand(factors.shape[0], *h0.shape[-2:])
+        h = h0.expand(B, *h0.shape[-2:])
         keep_t, reset_t = None if mask is None else mask[:, 0], None if reset is None else reset[:, 0]
         if isinstance(transition, CPTransition) and additive is None and not torch.is_grad_enabled() \
                 and impl in ("auto", "cpp") and _cpu_kernels_run_on(factors):  # the compiled step (decoding)
@@ -227,12 +241,15 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
                 factors[:, 0].contiguous(), h.contiguous(), transition.W1.contiguous(), transition.W2.contiguous(),
                 empty if keep_t is None else keep_t.bool().contiguous(),
                 empty if reset_t is None else reset_t.bool().contiguous(),
-                h if h_start is None else h_start.contiguous(), is_boundary(chunk, offset, 0), chunk > 0)[0]
+                h if h_start is None else h_start.reshape(-1, *h.shape[-2:]).contiguous(),
+                is_boundary(chunk, offset, 0), chunk > 0, columns)[0]
         else:
             h = reference_step(transition, factors[:, 0], h, keep_t, is_boundary(chunk, offset, 0), guard=chunk > 0,
                                additive_t=None if additive is None else additive[:, 0], reset_t=reset_t,
-                               h_start=h_start)
+                               h_start=_start_rows(h_start, B, columns), columns=columns)
         return h[:, None], h
     if isinstance(transition, CPTransition) and additive is None:
-        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)
-    return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive, reset, h_start)
+        return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start,
+                             columns)
+    return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive, reset,
+                                _start_rows(h_start, B, columns), columns)

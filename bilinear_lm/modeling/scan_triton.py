@@ -1,6 +1,7 @@
 """The CP rank-space scan as Triton GPU kernels: the same entry points as ``scan`` (see its docstring).
 
-Each program runs one head for a block of ``BLOCK_B`` batch rows over the whole sequence: ``M^T`` and ``W1^T`` stay
+Each program runs one head for a block of ``block_rows(columns)`` batch rows (whole groups of ``columns``: the
+columns of a matrix state, normalized together) over the whole sequence: ``M^T`` and ``W1^T`` stay
 on-chip, the state ``p`` in registers, and every step is one ``tl.dot([rows, R], [R, R])``. The chunked
 normalization and the overflow guard run in the kernel (no host synchronization): a segment in which a row's peak
 ``|g|`` leaves ``(SAFE_MIN, SAFE_MAX)`` or turns NaN is recomputed for those rows, normalizing every step.
@@ -22,6 +23,15 @@ except ImportError:
     triton = None
 
 BLOCK_B = 16
+
+
+def block_rows(columns: int) -> int:
+    """Rows per program: ``BLOCK_B``, or one whole group of ``columns`` rows (a power of two) if that is more. Up to
+    16 columns compile without register spills for sm_90 (ptxas, tested); the 64-row blocks of 64 columns spill
+    (0.2-3.7 KB from rank 32 up, measured): correct, but slower than they could be."""
+    if columns & (columns - 1):
+        raise ValueError(f"the Triton scan needs a power-of-two number of state columns, got {columns}")
+    return max(BLOCK_B, columns)
 
 
 def available(device_type: str) -> bool:
@@ -51,10 +61,20 @@ if triton is not None:
     _SAFE_MIN, _SAFE_MAX = tl.constexpr(SAFE_MIN), tl.constexpr(SAFE_MAX)  # kernels read only constexpr globals
 
     @triton.jit
+    def _over_columns(x, rows, COLUMNS: tl.constexpr, MAX: tl.constexpr):
+        """``x [rows]`` summed (``MAX``: maximized) over each row's group of ``COLUMNS`` rows."""
+        if COLUMNS == 1:
+            return x
+        ROWS: tl.constexpr = x.shape[0]
+        groups = tl.reshape(x, (ROWS // COLUMNS, COLUMNS))
+        reduced = tl.max(groups, axis=1) if MAX else tl.sum(groups, axis=1)
+        return tl.reshape(tl.broadcast_to(reduced[:, None], (ROWS // COLUMNS, COLUMNS)), (ROWS,))
+
+    @triton.jit
     def _segment(u_ptr, G_ptr, P_ptr, S_ptr, keep_ptr, restart_ptr, p, mt, w1t, p_start, n, rows, row_ok, cols,
                  col_ok, redo, store, t0, t1, N, B, R, chunk, offset, HAS_KEEP: tl.constexpr,
-                 HAS_RESTART: tl.constexpr, PRECISION: tl.constexpr):
-        """Steps [t0, t1) for the block's rows -> (p after the last step, rows whose |g| stayed in range).
+                 HAS_RESTART: tl.constexpr, PRECISION: tl.constexpr, COLUMNS: tl.constexpr):
+        """Steps [t0, t1) for the block's rows -> (p after the last step, rows whose group's |g| stayed in range).
 
         ``redo`` rows normalize at every step; only ``store`` rows write G, P and S."""
         ok = row_ok | (row_ok == 0)  # all true
@@ -62,7 +82,7 @@ if triton is not None:
             base = (t * N + n) * B + rows
             if HAS_RESTART:
                 restart = tl.load(restart_ptr + t * B + rows, mask=row_ok, other=0) != 0
-                p = tl.where(restart[:, None], p_start[None, :], p)
+                p = tl.where(restart[:, None], p_start, p)
             tile = base[:, None] * R + cols[None, :]
             tile_ok = store[:, None] & col_ok[None, :]
             tl.store(P_ptr + tile, p, mask=tile_ok)  # the step's input
@@ -74,14 +94,14 @@ if triton is not None:
             boundary = (chunk > 0) & ((offset + t + 1) % tl.maximum(chunk, 1) == 0)
             normalize = (redo | boundary) & keep
             h = tl.dot(g, w1t, input_precision=PRECISION)  # [rows, H]: the state whose norm is divided out
-            norm = tl.sqrt(tl.sum(h * h, axis=1))
+            norm = tl.sqrt(_over_columns(tl.sum(h * h, axis=1), rows, COLUMNS, False))
             tiny = tl.full(norm.shape, 1.1754943508222875e-38, norm.dtype)
             s = tl.where(normalize, 1.0 / tl.maximum(norm, tiny), 1.0)
             g = g * s[:, None]
             tl.store(G_ptr + tile, g, mask=tile_ok)
             tl.store(S_ptr + base, s, mask=store)
-            peak = tl.max(tl.where(col_ok[None, :], tl.abs(g), 0.0), axis=1)
-            nan = tl.max((g != g).to(tl.int32), axis=1) > 0
+            peak = _over_columns(tl.max(tl.where(col_ok[None, :], tl.abs(g), 0.0), axis=1), rows, COLUMNS, True)
+            nan = _over_columns(tl.max((g != g).to(tl.float32), axis=1), rows, COLUMNS, True) > 0
             ok = ok & (peak < _SAFE_MAX) & (peak > _SAFE_MIN) & (nan == 0)
             p = tl.where(keep[:, None], tl.dot(g, mt, input_precision=PRECISION), p)
         return p, ok | (row_ok == 0)
@@ -89,7 +109,8 @@ if triton is not None:
     @triton.jit
     def _forward_kernel(u_ptr, mt_ptr, w1t_ptr, keep_ptr, p0_ptr, restart_ptr, p_start_ptr, G_ptr, P_ptr, S_ptr,
                         T, N, B, R, H, chunk, offset, HAS_KEEP: tl.constexpr, HAS_RESTART: tl.constexpr,
-                        BLOCK_B: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_B: tl.constexpr, RP: tl.constexpr, HP: tl.constexpr, PRECISION: tl.constexpr,
+                        COLUMNS: tl.constexpr):
         n = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < B
@@ -103,9 +124,10 @@ if triton is not None:
                       mask=col_ok[:, None] & (hs < H)[None, :], other=0.0).to(dtype)
         p = tl.load(p0_ptr + (n * B + rows[:, None]) * R + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0).to(dtype)
-        p_start = tl.zeros([RP], dtype)
-        if HAS_RESTART:
-            p_start = tl.load(p_start_ptr + n * R + cols, mask=col_ok, other=0.0).to(dtype)
+        p_start = tl.zeros([BLOCK_B, RP], dtype)
+        if HAS_RESTART:  # each row's column of the start state [N, COLUMNS, R]
+            p_start = tl.load(p_start_ptr + (n * COLUMNS + rows[:, None] % COLUMNS) * R + cols[None, :],
+                              mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(dtype)
         no_rows = row_ok & (row_ok == 0)
         t0 = 0
         while t0 < T:
@@ -114,12 +136,12 @@ if triton is not None:
                 t1 = tl.minimum(T, t0 + chunk - (offset + t0) % chunk)
             first, ok = _segment(u_ptr, G_ptr, P_ptr, S_ptr, keep_ptr, restart_ptr, p, mt, w1t, p_start, n, rows,
                                  row_ok, cols, col_ok, no_rows, row_ok, t0, t1, N, B, R, chunk, offset, HAS_KEEP,
-                                 HAS_RESTART, PRECISION)
+                                 HAS_RESTART, PRECISION, COLUMNS)
             if (chunk > 0) & (tl.sum((ok == 0).to(tl.int32)) > 0):
                 redo = ok == 0
                 again, _ = _segment(u_ptr, G_ptr, P_ptr, S_ptr, keep_ptr, restart_ptr, p, mt, w1t, p_start, n, rows,
                                     row_ok, cols, col_ok, redo, redo & row_ok, t0, t1, N, B, R, chunk, offset,
-                                    HAS_KEEP, HAS_RESTART, PRECISION)
+                                    HAS_KEEP, HAS_RESTART, PRECISION, COLUMNS)
                 first = tl.where(redo[:, None], again, first)
             p = first
             t0 = t1
@@ -162,19 +184,20 @@ if triton is not None:
         tl.store(dps_ptr + out, dps, mask=tile_ok)
 
 
-def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start):
+def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start, columns: int):
     """The scan's forward (``scan.scan_forward``'s signature and results)."""
     T, N, B, R = u.shape
     H = W1.shape[1]
+    rows = block_rows(columns)
     G, P = torch.empty_like(u), u.new_empty(T + 1, N, B, R)
     S = u.new_empty(T, N, B, 1)
     dummy = u.new_empty(1, dtype=torch.int8)
-    _forward_kernel[(N, triton.cdiv(B, BLOCK_B))](
+    _forward_kernel[(N, triton.cdiv(B, rows))](
         u, Mt.contiguous(), W1.transpose(1, 2).contiguous(), keep.to(torch.int8) if keep.numel() else dummy,
         p0.contiguous(), restart.to(torch.int8) if restart.numel() else dummy,
         p_start.contiguous() if restart.numel() else u.new_empty(1), G, P, S, T, N, B, R, H, chunk, offset,
-        HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, BLOCK_B=BLOCK_B, RP=_padded(R), HP=_padded(H),
-        PRECISION=dot_precision(_padded(R)), num_warps=num_warps(_padded(R)))
+        HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, BLOCK_B=rows, RP=_padded(R), HP=_padded(H),
+        PRECISION=dot_precision(_padded(R)), COLUMNS=columns, num_warps=num_warps(_padded(R)))
     return G, P, S
 
 

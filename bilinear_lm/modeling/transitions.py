@@ -6,13 +6,17 @@ the whole recurrence through the one dispatch point (``dispatch.recurrence``). T
 the readout only. A new type is a subclass here, registered in ``TRANSITIONS`` (the config validates
 ``mixer_type`` against it).
 
-Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, rank ``R``; factors ``[B, T, N, F]``.
+Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, rank ``R``; factors ``[B, T, N, F]``. With
+``state_columns = P > 1`` each head's state is a matrix of ``P`` columns, each transformed by ``A(x)`` (and written
+to by the CP write channel, ``b(x) k_j(x)`` in column ``j``): a state ``[..., N, P * S]`` holds the columns one after
+the other, and the recurrence runs them as ``B * P`` rows normalized per head (``recurrence``'s module docstring).
 """
 
 import math
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
@@ -25,7 +29,8 @@ class Transition(nn.Module):
     """Base class. Subclasses set ``factor_size`` (factors per head the map reads) and define :meth:`map`.
 
     ``input_size``: the projection rows per head it reads (``factor_size`` unless :meth:`factors` derives more);
-    ``state_size``: the state it runs on (the config's, plus one coordinate with the write channel).
+    ``state_size``: the state of one column (the config's, plus one coordinate with the write channel);
+    ``columns``: the columns of each head's state (``state_columns``).
     Factors are ``factor_bias + input_factor_multiplier * raw`` (then :meth:`activation`), so under Adam the
     multiplier is their learning rate relative to the other weights' (the projection starts at
     ``input_factor_init_std / multiplier``: the same model at initialization).
@@ -36,7 +41,7 @@ class Transition(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.num_heads, self.state_size = config.num_heads, config.state_size
+        self.num_heads, self.state_size, self.columns = config.num_heads, config.state_size, config.state_columns
         self.input_size = self.factor_size
         self.factor_bias = nn.Parameter(torch.empty(config.num_heads, self.factor_size))
 
@@ -60,6 +65,12 @@ class Transition(nn.Module):
             raw = raw * self.config.input_factor_multiplier
         return self.activation(raw + self.factor_bias.to(raw.dtype))
 
+    def column_factors(self, raw):
+        """``[B, T, N, input_size]`` projections -> ``[B, T, N, P, factor_size]``: each column's factors (the same
+        for every column unless a write addresses them)."""
+        u = self.factors(raw)
+        return u[..., None, :].expand(*u.shape[:-1], self.columns, u.shape[-1])
+
     def map(self, dtype):
         """The map ``(h [B, N, S], u_t [B, N, F]) -> A(u_t) h`` with the weights cast to ``dtype`` once
         (a :class:`~.recurrence.CPTransition` where the fast rank-space scans apply)."""
@@ -67,12 +78,23 @@ class Transition(nn.Module):
 
     def forward(self, raw, h0, h_start, mask=None, offset: int = 0, additive=None, reset=None):
         """Run the recurrence: ``raw`` ``[B, T, N, input_size]`` projections, ``h0`` the incoming state
-        (``[N, S]`` or ``[B, N, S]``), ``h_start`` the learned start (a document restarts from it where ``reset``).
-        Returns ``(states [B, T, N, S], final [B, N, S])`` in ``raw``'s dtype (at least fp32)."""
-        u = self.factors(raw)
+        (``[N, P * S]`` or ``[B, N, P * S]``), ``h_start`` ``[N, P * S]`` the learned start (a document restarts from it
+        where ``reset``). Returns ``(states [B, T, N, P * S], final [B, N, P * S])`` in ``raw``'s dtype (at least
+        fp32)."""
+        B, T, N = raw.shape[:3]
+        P, S = self.columns, self.state_size
+        u = self.column_factors(raw)
+        u = u.permute(0, 3, 1, 2, 4).reshape(B * P, T, N, u.shape[-1])  # columns as rows: [B * P, T, N, F]
+        h0 = h0.to(u.dtype).unflatten(-1, (P, S)).transpose(-3, -2)  # [(B,) P, N, S]
+        h0 = h0.reshape(B * P, N, S) if h0.dim() == 4 else h0.repeat(B, 1, 1) if P > 1 else h0[0]
+        if P > 1:
+            mask = None if mask is None else mask.repeat_interleave(P, dim=0)
+            reset = None if reset is None else reset.repeat_interleave(P, dim=0)
         cfg = self.config
-        return recurrence(self.map(u.dtype), u, h0.to(u.dtype), mask, cfg.norm_chunk_size, offset,
-                          cfg.recurrence_impl, additive, reset, h_start.to(u.dtype))
+        states, final = recurrence(self.map(u.dtype), u, h0, mask, cfg.norm_chunk_size, offset, cfg.recurrence_impl,
+                                   additive, reset, h_start.to(u.dtype).unflatten(-1, (P, S)).transpose(0, 1), P)
+        states = states.unflatten(0, (B, P)).permute(0, 2, 3, 1, 4).reshape(B, T, N, P * S)
+        return states, final.unflatten(0, (B, P)).transpose(1, 2).reshape(B, N, P * S)
 
 
 class CP(Transition):
@@ -82,7 +104,9 @@ class CP(Transition):
     one more state coordinate ``c``: ``[h; c] -> [[A(x), b(x)], [0, gamma(x)]] [h; c]`` (``gamma = exp(.)``), an
     additive-like write with a forget rate that keeps the update linear and homogeneous, run as a CP transition on
     ``[h; c]`` (:func:`write_channel_weights`); ``coupled_write`` reuses the input factors for the write,
-    ``b(x) = W1 (u(x) * w)`` (:func:`coupled_write_channel_weights`, rank ``R + 1``).
+    ``b(x) = W1 (u(x) * w)`` (:func:`coupled_write_channel_weights`, rank ``R + 1``). With ``P = state_columns > 1``
+    the write is a key-value outer product, ``S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``k`` unit-norm over
+    the ``P`` columns: column ``j`` is the write channel with the write ``b(x) k_j(x)``.
     """
 
     def __init__(self, config):
@@ -94,6 +118,8 @@ class CP(Transition):
         if config.write_channel:
             self.state_size = H + 1
             self.input_size = R + (1 if config.coupled_write else H + 1)  # [u | gamma] or [u | b | gamma]
+            if self.columns > 1:
+                self.input_size += self.columns  # the key k
         if config.coupled_write:
             self.write_vector = nn.Parameter(torch.empty(N, R))  # w of coupled_write_channel_weights
 
@@ -121,6 +147,15 @@ class CP(Transition):
         write = raw[..., R:]  # [b | log gamma] or [log gamma]: factors [u | b | gamma] or [u | gamma]
         return torch.cat([u, write[..., :-1], write[..., -1:].exp()], dim=-1)
 
+    def column_factors(self, raw):
+        if not (self.config.write_channel and self.columns > 1):
+            return super().column_factors(raw)
+        P, R, H = self.columns, self.factor_size, self.config.state_size
+        u, b, gamma = self.factors(raw[..., :-P]).split([R, H, 1], dim=-1)
+        k = F.normalize(raw[..., -P:], dim=-1)[..., None]  # [B, T, N, P, 1]
+        shape = (*k.shape[:-1], -1)
+        return torch.cat([u[..., None, :].expand(shape), k * b[..., None, :], gamma[..., None, :].expand(shape)], -1)
+
     def map(self, dtype):
         W1, W2 = self.W1.to(dtype), self.W2.to(dtype)
         if self.config.coupled_write:
@@ -128,6 +163,31 @@ class CP(Transition):
         if self.config.write_channel:
             return CPTransition(*write_channel_weights(W1, W2))
         return CPTransition(W1, W2)
+
+
+class Identity(CP):
+    """``A = I`` (``W1 = W2 = I`` fixed, ``u = 1``; nothing learned): with the write channel and ``state_columns``,
+    ``S_t = S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``c_t = gamma(x) c_{t-1}`` is gated linear attention, the ablation
+    of ``A`` (every projection row it reads is the write's)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        N, H = config.num_heads, config.state_size
+        del self.W1, self.W2, self.factor_bias
+        self.register_buffer("W1", torch.eye(H).expand(N, H, H).clone(), persistent=False)
+        self.register_buffer("W2", self.W1.clone(), persistent=False)
+        self.input_size -= self.factor_size  # no rows for u
+        self.factor_size = H
+
+    def input_init_std(self):
+        return torch.full((self.input_size,), self.config.initializer_range)
+
+    def reset_parameters(self):
+        pass
+
+    def factors(self, raw):
+        """``[b | log gamma]`` projections -> ``[u = 1 | b | gamma]``."""
+        return torch.cat([raw.new_ones(*raw.shape[:-1], self.factor_size), raw[..., :-1], raw[..., -1:].exp()], -1)
 
 
 class Full(Transition):
@@ -205,8 +265,9 @@ class PositiveDiagonal(Diagonal):
         return torch.sigmoid(factors)
 
 
-# mixer_type -> class (the expressivity hierarchy: full > cp > block_diagonal > rotation > diagonal > positive).
-TRANSITIONS = {"cp": CP, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation, "diagonal": Diagonal,
+# mixer_type -> class (the expressivity hierarchy: full > cp > block_diagonal > rotation > diagonal > positive; identity
+# is the ablation of A, linear attention with the write channel).
+TRANSITIONS = {"cp": CP, "identity": Identity, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation, "diagonal": Diagonal,
                "positive_diagonal": PositiveDiagonal}
 
 

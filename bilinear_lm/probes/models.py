@@ -48,10 +48,11 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
                    use_gate=config.gate, tie_word_embeddings=False)
         if mixer == "block_diagonal":
             cfg["block_size"] = config.block_size
-        if config.write_channel:
-            if mixer != "cp":
+        if config.write_channel or mixer == "identity":  # identity (A = I) is only itself with writes
+            if mixer not in ("cp", "identity"):
                 raise ValueError(f"write_channel is a CP option; {name} has none (drop --write-channel)")
             cfg["write_channel"] = True
+        cfg["state_columns"] = config.state_columns
         return "bilinear", cfg
     if name in ("lstm", "lstm-2"):
         return "lstm", dict(hidden_size=H, num_layers=2 if name == "lstm-2" else 1)

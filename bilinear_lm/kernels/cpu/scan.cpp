@@ -11,27 +11,41 @@
 #include <limits>
 #include <vector>
 
-// The overflow guard's test (recurrence.in_safe_range): the peak |v_i| lies in the safe range; a NaN fails.
+// The overflow guard's test (recurrence.in_safe_range), accumulated over a head's state: the peak |v_i| lies in
+// the safe range and no entry is NaN.
 template <typename scalar_t>
-bool in_safe_range(const scalar_t* v, int64_t n) {
+struct Peak {
   scalar_t peak = 0;
   int nan = 0;
-#pragma omp simd reduction(max : peak) reduction(| : nan)
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t a = std::abs(v[i]);
-    peak = a > peak ? a : peak;
-    nan |= a != a;
+  void add(const scalar_t* v, int64_t n) {
+    scalar_t p = peak;
+    int q = nan;
+#pragma omp simd reduction(max : p) reduction(| : q)
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t a = std::abs(v[i]);
+      p = a > p ? a : p;
+      q |= a != a;
+    }
+    peak = p;
+    nan = q;
   }
-  return !nan && peak < scalar_t(BILINEAR_SAFE_MAX) && peak > scalar_t(BILINEAR_SAFE_MIN);
-}
+  bool in_safe_range() const {
+    return !nan && peak < scalar_t(BILINEAR_SAFE_MAX) && peak > scalar_t(BILINEAR_SAFE_MIN);
+  }
+};
 
-// ||v|| clamped to the smallest normal number, as in recurrence.scale_at_boundary and BilinearStateNorm.
 template <typename scalar_t>
-scalar_t clamped_norm(const scalar_t* v, int64_t n) {
+scalar_t sum_squares(const scalar_t* v, int64_t n) {
   scalar_t norm2 = 0;
 #pragma omp simd reduction(+ : norm2)
   for (int64_t i = 0; i < n; ++i) norm2 += v[i] * v[i];
-  return std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
+  return norm2;
+}
+
+// 1 / ||v|| from the squared norm, the norm clamped to the smallest normal number (recurrence.scale_at_boundary).
+template <typename scalar_t>
+scalar_t inverse_norm(scalar_t norm2) {
+  return scalar_t(1) / std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
 }
 
 // out[c] = base[c] + sum_r g[r] M[r, c] (no base: 0) for M [R, C] row-major: a row vector times a small matrix,
@@ -60,43 +74,57 @@ inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, 
 }
 
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
-// keep, restart: [T, B] bool or empty; p_start: [N, R]. Each (head, row) runs its whole sequence in one thread,
-// chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed for that (head, row) normalizing
-// every step. A restart step reads p_start instead of the previous p (P holds each step's input).
+// keep, restart: [T, B] bool or empty; p_start: [N, columns, R]. Rows come in groups of `columns` (the columns of
+// one head's matrix state; 1 for a vector state), normalized together by the norm of the group's whole state. Each
+// (head, group) runs its whole sequence in one thread, chunk by chunk; a chunk whose peak |g| over the group leaves
+// the safe range is recomputed for that (head, group) normalizing every step. A restart step reads its column's
+// p_start instead of the previous p (P holds each step's input).
 template <typename scalar_t>
-struct RowScan {
+struct GroupScan {
   const scalar_t* u; const scalar_t* M; const scalar_t* W1T; const bool* keep; const bool* restart;
   const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
-  int64_t N, B, R, H, n, b, chunk, offset;
+  int64_t N, B, R, H, n, b0, columns, chunk, offset;
 
-  // Steps [t0, t1); returns whether every step's peak |g| stayed in the safe range.
+  // Steps [t0, t1); returns whether the group's peak |g| stayed in the safe range at every step.
   bool run(int64_t t0, int64_t t1, bool every_step) {
     bool in_range = true;
     std::vector<scalar_t> hv(H);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = (t * N + n) * B + b;
-      const scalar_t* __restrict__ ut = u + row * R;
-      scalar_t* __restrict__ pt = P + row * R;
-      if (restart && restart[t * B + b])
-        for (int64_t r = 0; r < R; ++r) pt[r] = p_start[r];
-      scalar_t* __restrict__ pn = P + (row + N * B) * R;
-      scalar_t* __restrict__ g = G + row * R;
-      const bool keep_t = keep ? keep[t * B + b] : true;
-      for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
-      scalar_t s = 1;
+      const bool keep_t = keep ? keep[t * B + b0] : true;  // the same for every column of a row
       const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
-      if ((every_step || boundary) && keep_t) {
-        vec_mat(g, W1T, R, H, hv.data());  // h = W1 g
-        s = scalar_t(1) / clamped_norm(hv.data(), H);
-        for (int64_t r = 0; r < R; ++r) g[r] *= s;
+      const bool normalize = (every_step || boundary) && keep_t;
+      scalar_t norm2 = 0;
+      Peak<scalar_t> peak;
+      for (int64_t j = 0; j < columns; ++j) {
+        const int64_t row = (t * N + n) * B + b0 + j;
+        const scalar_t* __restrict__ ut = u + row * R;
+        scalar_t* __restrict__ pt = P + row * R;
+        if (restart && restart[t * B + b0])
+          for (int64_t r = 0; r < R; ++r) pt[r] = p_start[j * R + r];
+        scalar_t* __restrict__ g = G + row * R;
+        for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
+        if (normalize) {
+          vec_mat(g, W1T, R, H, hv.data());  // h = W1 g
+          norm2 += sum_squares(hv.data(), H);
+        }
       }
-      S[row] = s;
-      in_range = in_safe_range(g, R) && in_range;
-      if (keep_t) {
-        vec_mat(g, M, R, R, pn);
-      } else {
-        for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
+      const scalar_t s = normalize ? inverse_norm(norm2) : scalar_t(1);
+      for (int64_t j = 0; j < columns; ++j) {
+        const int64_t row = (t * N + n) * B + b0 + j;
+        scalar_t* __restrict__ g = G + row * R;
+        if (normalize)
+          for (int64_t r = 0; r < R; ++r) g[r] *= s;
+        S[row] = s;
+        peak.add(g, R);
+        scalar_t* __restrict__ pn = P + (row + N * B) * R;
+        if (keep_t) {
+          vec_mat(g, M, R, R, pn);
+        } else {
+          const scalar_t* __restrict__ pt = P + row * R;
+          for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
+        }
       }
+      in_range = in_range && peak.in_safe_range();
     }
     return in_range;
   }
@@ -104,23 +132,26 @@ struct RowScan {
 
 std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
                                         torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
-                                        torch::Tensor p_start) {
+                                        torch::Tensor p_start, int64_t columns) {
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
+  TORCH_CHECK(columns >= 1 && B % columns == 0, "scan_forward: rows ", B, " are not whole groups of ", columns);
   auto G = torch::empty_like(u);
   auto P = torch::empty({T + 1, N, B, R}, u.options());
   auto S = torch::empty({T, N, B, 1}, u.options());
   auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h = W1 g is a vec_mat
   P[0].copy_(p0);
+  const int64_t groups = B / columns;
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
     const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
     const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
-    at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) {
-        const int64_t n = nb / B, b = nb % B;
-        RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
-                               W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
-                               rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr, P.data_ptr<scalar_t>(),
-                               G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset};
+    at::parallel_for(0, N * groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t ng = begin; ng < end; ++ng) {
+        const int64_t n = ng / groups, b0 = (ng % groups) * columns;
+        GroupScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
+                                 W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
+                                 rp ? p_start.data_ptr<scalar_t>() + n * columns * R : nullptr,
+                                 P.data_ptr<scalar_t>(), G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H,
+                                 n, b0, columns, chunk, offset};
         for (int64_t t0 = 0; t0 < T;) {
           const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
           if (!scan.run(t0, t1, false) && chunk > 0) scan.run(t0, t1, true);
@@ -193,12 +224,14 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, tor
 
 // One decoding step of the state (recurrence.reference_step for the CP map, no gradients): per (row, head)
 // h' = W1 (u * (W2^T h_prev)), h_prev = h_start where the row restarts, then normalized at a chunk boundary or
-// where the guard finds h' outside the safe range; a padded row keeps h. u: [B, N, R]; h: [B, N, H];
-// W1, W2: [N, H, R]; keep, restart: [B] bool or empty; h_start: [N, H] (read only where restart).
+// where the guard finds the head's state outside the safe range; a padded row keeps h. Rows come in groups of
+// `columns` (one head's matrix state), normalized and guarded together. u: [B, N, R]; h: [B, N, H];
+// W1, W2: [N, H, R]; keep, restart: [B] bool or empty; h_start: [columns, N, H] (read only where restart).
 std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tensor W1, torch::Tensor W2,
                                    torch::Tensor keep, torch::Tensor restart, torch::Tensor h_start, bool boundary,
-                                   bool guard) {
+                                   bool guard, int64_t columns) {
   const int64_t B = h.size(0), N = h.size(1), H = h.size(2), R = W1.size(2);
+  TORCH_CHECK(columns >= 1 && B % columns == 0, "cp_step: rows ", B, " are not whole groups of ", columns);
   auto out = torch::empty_like(h);
   auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h' = W1 g is a vec_mat
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "cp_step", [&] {
@@ -211,22 +244,32 @@ std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tens
     const scalar_t* hs = rp ? h_start.data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     std::vector<scalar_t> g(R);
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b0 = 0; b0 < B; b0 += columns) {
       for (int64_t n = 0; n < N; ++n) {
-        const scalar_t* h_prev = hp + (b * N + n) * H;
-        scalar_t* h_new = op + (b * N + n) * H;
-        if (kp && !kp[b]) {
-          std::copy(h_prev, h_prev + H, h_new);
+        if (kp && !kp[b0]) {  // padding: every column keeps its state
+          for (int64_t j = 0; j < columns; ++j)
+            std::copy(hp + ((b0 + j) * N + n) * H, hp + ((b0 + j) * N + n + 1) * H, op + ((b0 + j) * N + n) * H);
           continue;
         }
-        if (rp && rp[b]) h_prev = hs + n * H;
-        vec_mat(h_prev, w2 + n * H * R, H, R, g.data());  // W2^T h
-        const scalar_t* ub = up + (b * N + n) * R;
-        for (int64_t r = 0; r < R; ++r) g[r] *= ub[r];
-        vec_mat(g.data(), w1t + n * R * H, R, H, h_new);  // W1 g
-        if (boundary || (guard && !in_safe_range(h_new, H))) {
-          const scalar_t s = scalar_t(1) / clamped_norm(h_new, H);
-          for (int64_t k = 0; k < H; ++k) h_new[k] *= s;
+        Peak<scalar_t> peak;
+        scalar_t norm2 = 0;
+        for (int64_t j = 0; j < columns; ++j) {
+          const int64_t b = b0 + j;
+          const scalar_t* h_prev = rp && rp[b] ? hs + (j * N + n) * H : hp + (b * N + n) * H;
+          scalar_t* h_new = op + (b * N + n) * H;
+          vec_mat(h_prev, w2 + n * H * R, H, R, g.data());  // W2^T h
+          const scalar_t* ub = up + (b * N + n) * R;
+          for (int64_t r = 0; r < R; ++r) g[r] *= ub[r];
+          vec_mat(g.data(), w1t + n * R * H, R, H, h_new);  // W1 g
+          norm2 += sum_squares(h_new, H);
+          peak.add(h_new, H);
+        }
+        if (boundary || (guard && !peak.in_safe_range())) {
+          const scalar_t s = inverse_norm(norm2);
+          for (int64_t j = 0; j < columns; ++j) {
+            scalar_t* h_new = op + ((b0 + j) * N + n) * H;
+            for (int64_t k = 0; k < H; ++k) h_new[k] *= s;
+          }
         }
       }
     }
