@@ -100,9 +100,8 @@ class BilinearCache(DynamicCache):
 class BilinearModelOutput(BaseModelOutputWithPast):
     """``BaseModelOutputWithPast`` plus ``mixer_states``: with ``output_mixer_states=True``, one
     ``[batch, seq_len, heads, S]`` tensor per bilinear layer (``S = state_size``, plus 1 with the write channel:
-    ``[h; c]``),
-    the recurrent state after each position (each head's state is defined up to a positive factor: compare
-    directions)."""
+    ``[h; c]``), the recurrent state after each position (each head's state is defined up to a positive factor:
+    compare directions)."""
 
     mixer_states: tuple[torch.Tensor, ...] | None = None
 
