@@ -151,7 +151,7 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
                         "across segments; use --mode strided (strided_perplexity) for this model")
                 if kind == "kv" and not allow_kv_cache:
                     raise ValueError(
-                        f"{type(model).__name__} has an attention KV cache, not a recurrent state: streaming "
+                        f"{type(model).__name__} has a full-attention KV cache, not a fixed-size state: streaming "
                         "would grow memory with the text and exceed the position range; use --mode strided "
                         "(strided_perplexity) for this model")
         return total, count
