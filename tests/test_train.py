@@ -276,7 +276,8 @@ def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
 
 
 BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"text": "a"}\n\n{"text": "b"\n',
-             "bad.yaml": b"max_steps: 3\nlearning_rate: [1e-3\n", "a_directory": None}
+             "bad.yaml": b"max_steps: 3\nlearning_rate: [1e-3\n", "a_directory": None,
+             "broken.json": b'[{"text": "a"} {"text": "b"}]'}
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -291,8 +292,10 @@ BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"t
     (["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps must be a positive integer, got 0"),
     (["--mixed_precision", "fp8x"], r"argument --mixed_precision/--mixed-precision: invalid choice: 'fp8x' \(choose "
                                     r"from 'no', 'bf16', 'fp16'\)"),
-    (["--train_file", "a_directory"], r"training file '.*a_directory' is a directory, not a file; pass a .txt or "
-                                      r".jsonl file"),
+    (["--train_file", "a_directory"], r"training file '.*a_directory' is a folder without data files; it must hold "
+                                      r"files ending in .txt, "),
+    (["--train_file", "broken.json"], r"training file '.*broken.json': not valid JSON \(Expecting ',' delimiter, line 1 "
+                                      r"column 15\); a .json file is one JSON document"),
 ])
 def test_bad_input_is_one_line_naming_the_problem_and_the_fix(small_text, tmp_path, capsys, bad, message):
     import train
