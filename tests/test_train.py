@@ -284,7 +284,7 @@ BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"t
     (["--train_file", "binary.txt"], r"training file '.*binary.txt' is not UTF-8 text: byte 0xff at offset 13 "
                                      r"\(invalid start byte\); pass a text file, or convert it"),
     (["--train_file", "bad.jsonl"], r"training file '.*bad.jsonl', line 3: not valid JSON \(Expecting ',' delimiter, "
-                                    r"column 13\); every line of a .jsonl file is one JSON object"),
+                                    r"column 13\); every line of a JSON lines file is one JSON object"),
     (["--config", "bad.yaml"], r"--config '.*bad.yaml': not valid YAML \(while parsing a flow sequence .* line 2, "),
     (["--learning_rate", "-1e-3"], r"--learning_rate must be >= 0, got -0.001: pass the peak learning rate as a "
                                    r"positive number"),

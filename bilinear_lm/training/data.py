@@ -44,6 +44,7 @@ DEFAULT_TRAIN_FILE = str(Path(__file__).parent / "default_data" / "tinyshakespea
 FORMATS = {".txt": "text", ".raw": "text", ".text": "text", ".txt.gz": "text", ".jsonl": "json", ".json": "json",
            ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
 EOS_TOKEN = "<|endoftext|>"
+VALIDATION_SPLITS = ("validation", "valid", "val")  # the names a dataset's held-out split goes by
 PACK_ROWS = 100_000  # rows per packing batch: small files pack as one contiguous stream (like nanoGPT)
 CHUNK = 1 << 20      # bytes per read when checking a file
 
@@ -134,8 +135,8 @@ def _check_json_line(line: str, number: int, path: str, what: str) -> None:
 
 
 def _check_json_document(path: str, what: str) -> bool:
-    """A .json file that is one JSON document: True when it parses, a DataError when it is broken; False when it
-    is JSON lines instead (one value per line: checked as such)."""
+    """A .json file that is one JSON document: True when it parses (read whole, as `datasets` reads it), a DataError
+    when it is broken; False when it is JSON lines instead (one value per line: checked as such)."""
     try:
         with open(path, encoding="utf-8") as f:
             json.load(f)
@@ -234,10 +235,9 @@ def load_raw_text(
                 raise DataError(_offline_help(dataset, text_column))
         else:
             raw = datasets.load_dataset(dataset, dataset_config, streaming=streaming)
-        if streaming and not validation_file:  # the held-out split is small: loaded as usual (cached, random access)
-            val_name = next((s for s in ("validation", "valid", "val") if s in raw), None)
-            raw = {k: v for k, v in raw.items() if k == "train"} | ({val_name: datasets.load_dataset(dataset, dataset_config, split=val_name)}
-                                             if val_name else {})
+        held_out = next((s for s in VALIDATION_SPLITS if s in raw), None)
+        if streaming and held_out and not validation_file:  # small: loaded as usual (cached, random access)
+            raw = {**raw, held_out: datasets.load_dataset(dataset, dataset_config, split=held_out)}
     else:
         raise DataError("no training data: pass --dataset NAME (HuggingFace hub) or --train_file PATH (a file or a "
                         "folder of files)")
@@ -250,7 +250,7 @@ def load_raw_text(
     if validation_file:
         raw["validation"] = _load_file(validation_file, "validation file", streaming=False)
     out = DatasetDict({"train": raw["train"].select_columns([text_column])})
-    val_name = next((s for s in ("validation", "valid", "val") if s in raw), None)
+    val_name = next((s for s in VALIDATION_SPLITS if s in raw), None)
     if val_name is None and streaming:
         raise DataError("--streaming needs a validation split (carving --val_fraction off a stream would need its "
                         "length): pass --validation_file, or a --dataset with a validation split")
