@@ -138,7 +138,7 @@ def main(argv=None) -> None:
              f"BPE training (once, on the training split): {bpe['bpe_s']:.1f} s, peak RSS {bpe['peak_mib'][0]:.0f} MiB "
              f"(loading the text before it: {bpe['load_s']:.1f} s). Peak RSS after the imports alone: "
              f"{bpe['imports_mib']:.0f} MiB.", "",
-             "| num_proc | load + check (s) | tokenize + pack (s) | peak RSS main (MiB) | peak RSS worker (MiB) | "
+             "| num_proc | load + check (s) | tokenize + pack (s) | peak RSS main (MiB) | peak RSS worker (MiB, 0: none) | "
              "tokens packed | blocks on disk (MiB) | all cache files (MiB) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in runs.items():

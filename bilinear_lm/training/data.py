@@ -395,8 +395,9 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
             toks = ds.map(tokenize, batched=True, remove_columns=["text"], features=features)
             out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS).with_format(None)
             continue
+        procs = num_proc or default_num_proc()  # 1: in this process (datasets would start one worker)
         toks = ds.map(tokenize, batched=True, remove_columns=ds.column_names, features=features,
-                      num_proc=num_proc or default_num_proc(), new_fingerprint=Hasher.hash([ds._fingerprint, key]),
+                      num_proc=procs if procs > 1 else None, new_fingerprint=Hasher.hash([ds._fingerprint, key]),
                       desc=f"tokenize {split}")
         n_tokens = int(pc.sum(pc.list_value_length(toks.with_format("arrow")["input_ids"])).as_py() or 0)
         if n_tokens < block_size:
