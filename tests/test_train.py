@@ -295,7 +295,7 @@ BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"t
     (["--train_file", "a_directory"], r"training file '.*a_directory' is a folder without data files; it must hold "
                                       r"files ending in .txt, "),
     (["--train_file", "broken.json"], r"training file '.*broken.json': not valid JSON \(Expecting ',' delimiter, line 1 "
-                                      r"column 15\); a .json file is one JSON document"),
+                                      r"column 16\); a .json file is one JSON document"),
 ])
 def test_bad_input_is_one_line_naming_the_problem_and_the_fix(small_text, tmp_path, capsys, bad, message):
     import train
