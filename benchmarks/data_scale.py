@@ -118,6 +118,8 @@ def main(argv=None) -> None:
         print(json.dumps(child(args)))
         return
 
+    if args.max_mb and not Path(args.file).is_file():
+        parser.error(f"--max-mb slices a file; {args.file} is not one")
     from bilinear_lm.training.data import builder_for
 
     if args.add_eos is None:
