@@ -20,8 +20,9 @@ from pathlib import Path
 import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
-from datasets import DatasetDict, concatenate_datasets
+from accelerate.utils import DataLoaderConfiguration, DistributedType, send_to_device, set_seed
+from datasets import DatasetDict, IterableDataset
+from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
@@ -31,8 +32,10 @@ from bilinear_lm.modeling.dispatch import build_kernels
 from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
 from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
                                   append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change, check_launch,
-                                  find_checkpoint, load_raw_text, params_identical_across_ranks, parse_config,
-                                  plot_losses, save_checkpoint, together, tokenize_and_pack, unsharded_copy)
+                                  find_checkpoint, load_data_state, load_raw_text, params_identical_across_ranks,
+                                  parse_config, plot_losses, save_checkpoint, together, tokenize_and_pack,
+                                  unsharded_copy)
+from bilinear_lm.training.data import builder_for
 from bilinear_lm.utils import eval_mode
 
 
@@ -43,31 +46,41 @@ class Data:
 
     raw: DatasetDict     # text: train, validation
     tokenizer: object    # PreTrainedTokenizerFast, saved next to every checkpoint and the final model
-    blocks: DatasetDict  # packed blocks: input_ids, labels
+    blocks: DatasetDict  # packed blocks (input_ids): cached on disk; the train split an IterableDataset with --streaming
     train_dl: DataLoader
     val_dl: DataLoader
+    stream: IterableDataset | None = None  # --streaming: this rank's training blocks; checkpoints save its position
+
+
+def collate(rows: list[dict]) -> dict:
+    """A batch of packed blocks; the labels are the input ids (the model shifts them)."""
+    ids = torch.stack([row["input_ids"] for row in rows]).long()
+    return {"input_ids": ids, "labels": ids}
 
 
 def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
     """Text (`--train_file`, else `--dataset`, else the Tiny Shakespeare text shipped with the package) -> tokenizer
-    (built once by the main process; every rank loads the same files) -> packed blocks and their loaders."""
+    (built once by the main process; every rank loads the same files) -> packed blocks (tokenized by the main process
+    into the `datasets` cache, which the other ranks then load; with --streaming, as training reads them, each rank
+    its share) and their loaders."""
     train_file = cfg.data.train_file or (None if cfg.data.dataset else DEFAULT_TRAIN_FILE)
     raw = load_raw_text(dataset=None if train_file else cfg.data.dataset, dataset_config=cfg.data.dataset_config,
                         train_file=train_file, validation_file=cfg.data.validation_file,
-                        text_column=cfg.data.text_column, val_fraction=cfg.data.val_fraction)
+                        text_column=cfg.data.text_column, val_fraction=cfg.data.val_fraction,
+                        streaming=cfg.data.streaming)
     tok_dir = (resume / "tokenizer") if resume else (Path(cfg.train.output_dir) / "tokenizer")
 
     def tokenizer_files():
         if resume is None and accelerator.is_main_process:
             # a char vocabulary covers every split (like nanoGPT); a BPE is trained on the training text only
-            tok_text = concatenate_datasets(list(raw.values())) if cfg.data.tokenizer == "char" else raw["train"]
+            tok_text = list(raw.values()) if cfg.data.tokenizer == "char" else raw["train"]
             build_tokenizer(cfg.data.tokenizer, tok_text, cfg.data.bpe_vocab_size).save_pretrained(tok_dir)
         return AutoTokenizer.from_pretrained(tok_dir)
 
     tokenizer = together(accelerator, tokenizer_files, "building the tokenizer", main_first=True)
     add_eos = cfg.data.add_eos
-    if add_eos is None:  # rows are documents in .jsonl files and Hub datasets, lines (that keep their "\n") in .txt
-        add_eos = train_file is None or Path(train_file).suffix.lower() in (".jsonl", ".json")
+    if add_eos is None:  # rows are documents in JSON / Parquet files and Hub datasets, lines (with their "\n") in .txt
+        add_eos = train_file is None or builder_for(train_file) != "text"
     if add_eos and tokenizer.eos_token_id is None:
         raise TrainingInputError("EOS after every row (--add_eos true, the default for .jsonl files and Hub datasets) "
                                  "needs a tokenizer with an EOS token (the char tokenizer has none): pass --add_eos "
@@ -75,11 +88,20 @@ def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
     if cfg.train.eval_lm_harness and tokenizer.eos_token_id is None:
         raise TrainingInputError("--eval_lm_harness needs a tokenizer with an EOS token (lm-eval uses it as the "
                                  "end-of-text token; the char tokenizer has none): omit --tokenizer char")
-    blocks = together(accelerator, lambda: tokenize_and_pack(raw, tokenizer, cfg.data.block_size, add_eos=add_eos),
-                      "tokenizing the data", main_first=True).with_format("torch")
+    blocks = together(accelerator, lambda: tokenize_and_pack(raw, tokenizer, cfg.data.block_size, add_eos=add_eos,
+                                                             num_proc=cfg.data.num_proc),
+                      "tokenizing the data", main_first=True)
+    blocks = DatasetDict({split: ds.with_format("torch") for split, ds in blocks.items()})
     batch_size, workers = cfg.train.batch_size, cfg.data.num_workers
-    train_dl = DataLoader(blocks["train"], batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers)
-    val_dl = DataLoader(blocks["validation"], batch_size=batch_size, shuffle=False, num_workers=workers)
+    val_dl = DataLoader(blocks["validation"], batch_size=batch_size, shuffle=False, num_workers=workers,
+                        collate_fn=collate)
+    if cfg.data.streaming:  # in order; every rank reads its share of the blocks
+        stream = split_dataset_by_node(blocks["train"], rank=accelerator.process_index,
+                                       world_size=accelerator.num_processes)
+        return Data(raw, tokenizer, blocks, DataLoader(stream, batch_size=batch_size, drop_last=True,
+                                                       collate_fn=collate), val_dl, stream)
+    train_dl = DataLoader(blocks["train"], batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers,
+                          collate_fn=collate)
     if len(train_dl) == 0:
         raise TrainingInputError(
             f"only {len(blocks['train'])} training blocks of {cfg.data.block_size} tokens: fewer than --batch_size "
@@ -91,6 +113,8 @@ def check_token_ids(blocks: DatasetDict, vocab_size: int) -> None:
     """Every token id of the packed data must have an embedding: a clear error before training instead of
     torch's `IndexError: index out of range in self` (or a silent wrong lookup on a GPU)."""
     for split, ds in blocks.items():
+        if isinstance(ds, IterableDataset):  # streamed: not known before training reads it
+            continue
         high = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py()  # without materializing the ids
         try:
             check_vocabulary(torch.tensor([0 if high is None else high]), vocab_size, where=f"in the {split} data",
@@ -147,10 +171,16 @@ def evaluate(model, val_dl, accelerator, eval_iters: int) -> dict:
 
 def micro_batches(accelerator, train_dl, state: TrainState):
     """Training micro-batches, epoch after epoch, from where `state` stands (the seedable sampler's order for the
-    epoch, minus what the epoch already consumed: a resumed run sees the batches an uninterrupted one would)."""
+    epoch, minus what the epoch already consumed: a resumed run sees the batches an uninterrupted one would). A
+    stream (--streaming) continues from its own restored position; its loader is not `prepare`d (Accelerate's reads
+    a batch ahead, which the saved position would count), so its batches are moved to the device here."""
     while True:
-        train_dl.set_epoch(state.epoch)
-        loader = accelerator.skip_first_batches(train_dl, state.batches_done) if state.batches_done else train_dl
+        if isinstance(train_dl.dataset, IterableDataset):
+            train_dl.dataset.set_epoch(state.epoch)
+            loader = (send_to_device(batch, accelerator.device) for batch in train_dl)
+        else:
+            train_dl.set_epoch(state.epoch)
+            loader = accelerator.skip_first_batches(train_dl, state.batches_done) if state.batches_done else train_dl
         for batch in loader:
             state.batches_done += 1
             yield batch
@@ -207,7 +237,8 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
         if cfg.train.save_interval and state.step % cfg.train.save_interval == 0:
             save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer, cfg,
-                            total_limit=cfg.train.save_total_limit)
+                            total_limit=cfg.train.save_total_limit,
+                            data_state=data.stream.state_dict() if data.stream is not None else None)
         t_mark = time.time()  # evaluation and checkpoint time is not training time
         if last:
             break
@@ -309,20 +340,26 @@ def main(argv: list[str] | None = None) -> dict:
         build_kernels(model.config, accelerator.device.type)
     n_params = count_parameters(model)
     batch, n_proc, accum = cfg.train.batch_size, accelerator.num_processes, cfg.train.gradient_accumulation_steps
+    n_train = "streamed" if data.stream is not None else len(data.blocks["train"])
     accelerator.print(
         f"{cfg.train.model_type} model: {n_params / 1e6:.3f}M parameters, vocab {model.config.vocab_size}, "
-        f"{len(data.blocks['train'])} train / {len(data.blocks['validation'])} val blocks of {cfg.data.block_size}\n"
+        f"{n_train} train / {len(data.blocks['validation'])} val blocks of {cfg.data.block_size}\n"
         f"{n_proc} process{'es' if n_proc > 1 else ''} ({accelerator.distributed_type.value}), global batch "
         f"{batch * n_proc * accum} sequences = batch_size {batch} x {n_proc} processes x {accum} accumulation steps "
         f"({batch * n_proc * accum * cfg.data.block_size} tokens per optimizer step), mixed precision "
         f"{accelerator.mixed_precision}")
-    model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
-        model, optimizer, data.train_dl, data.val_dl, scheduler)
+    if data.stream is None:
+        model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
+            model, optimizer, data.train_dl, data.val_dl, scheduler)
+    else:  # see micro_batches
+        model, optimizer, data.val_dl, scheduler = accelerator.prepare(model, optimizer, data.val_dl, scheduler)
 
     state = TrainState()
     if resume is not None:
         accelerator.load_state(str(resume))
         state = TrainState.load(resume)
+        if data.stream is not None:
+            data.stream.load_state_dict(load_data_state(resume, accelerator.process_index))
         accelerator.print(f"resumed from {resume} at step {state.step} (epoch {state.epoch}, batch "
                           f"{state.batches_done}, {state.train_seconds:.1f} s of training)")
     metrics = MetricsLog(accelerator, out_dir / "metrics.jsonl")

@@ -32,7 +32,7 @@ def loss_by_position(model, blocks: torch.Tensor, eos_token_id: int, edges: list
     sums, counts = torch.zeros(len(edges) - 1, dtype=torch.float64), torch.zeros(len(edges) - 1, dtype=torch.long)
     with torch.no_grad():
         for i in range(0, len(blocks), batch_size):
-            ids = blocks[i:i + batch_size]
+            ids = blocks[i:i + batch_size].long()  # train.py stores int32 ids
             logits = model(input_ids=ids).logits[:, :-1].float()
             nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             pos = document_positions(ids, eos_token_id)[:, 1:]

@@ -150,3 +150,24 @@ def test_equal_time_trains_the_tinystories_preset_on_the_local_sample(monkeypatc
     assert commands[0][commands[0].index("--train_file") + 1] == sample
     assert commands[0].index("--train_file") < commands[0].index("--seed")
     assert "--train_file" not in commands[1]
+
+
+def test_data_scale_measures_each_step_and_prints_a_row_per_num_proc(monkeypatch, tmp_path, capsys):
+    """data_scale.py's steps in this process (the script runs each in a fresh one), then its table."""
+    from types import SimpleNamespace
+
+    data_scale = load_script("data_scale")
+    text = tmp_path / "t.txt"
+    text.write_text("to be, or not to be, that is the question\n" * 200)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    args = dict(file=str(text), val_fraction=0.1, bpe_vocab_size=300, tokenizer_dir=str(tmp_path / "tok"),
+                block_size=16, add_eos=False, num_proc=1)
+    bpe = data_scale.child(SimpleNamespace(**args, step="bpe"))
+    tokenized = data_scale.child(SimpleNamespace(**args, step="tokenize"))
+    assert bpe["bpe_s"] > 0 and tokenized["tokens"] > 0 and tokenized["tokens"] % 16 == 0
+    assert tokenized["blocks_bytes"] >= tokenized["tokens"] * 4  # int32 ids
+    monkeypatch.setattr(data_scale, "run_child", lambda args, step, root, num_proc=1: bpe if step == "bpe" else tokenized)
+    data_scale.main(["--file", str(text), "--num-proc", "1,2", "--output", str(tmp_path / "table.md")])
+    out = capsys.readouterr().out
+    assert "BPE training (once, on the training split)" in out and "\n| 1 | " in out and "\n| 2 | " in out
+    assert (tmp_path / "table.md").read_text().strip() == out.strip()

@@ -55,7 +55,7 @@ def test_char_tokenizer_and_packing_match_reference(shakespeare_raw, tmp_path):
     ref = [stoi[c] for c in text[:18000]]
     n_blocks = len(ref) // 64
     assert list(blocks["train"]["input_ids"]) == [ref[i * 64 : (i + 1) * 64] for i in range(n_blocks)]
-    assert list(blocks["train"]["labels"]) == list(blocks["train"]["input_ids"])
+    assert blocks["train"].column_names == ["input_ids"]  # the loader adds labels (train.collate)
     val_ref = [stoi[c] for c in text[18000:20000]]
     assert list(blocks["validation"]["input_ids"]) == [val_ref[i * 64 : (i + 1) * 64] for i in range(len(val_ref) // 64)]
 
@@ -179,3 +179,138 @@ def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tmp
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"ROUNDTRIP True {D.EOS_TOKEN}" in out.stdout
     assert "[y/N]" not in out.stdout + out.stderr and "to instantiate a model of type" not in out.stderr
+
+
+# ------------------------------------------------------------------------------ formats, cache, streaming
+DOCS = [f"Document {i}: the quick brown fox {'jumps ' * (i % 5)}over the lazy dog.\n" for i in range(60)]
+
+
+def _char_tokenizer():
+    from datasets import Dataset
+
+    return D.build_tokenizer("char", Dataset.from_dict({"text": ["".join(DOCS)]}))
+
+
+def _blocks(train_file, tok, streaming=False, **kwargs):
+    raw = D.load_raw_text(train_file=str(train_file), validation_file=str(train_file), streaming=streaming, **kwargs)
+    return D.tokenize_and_pack(raw, tok, block_size=16, num_proc=1)
+
+
+def _rows(ds):
+    return [list(row["input_ids"]) for row in ds]
+
+
+def _write_formats(root):
+    """DOCS as every supported format, and as a folder of two .jsonl files."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    (root / "docs.jsonl").write_text(lines)
+    (root / "docs.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (root / "docs.json").write_text(json.dumps([{"text": d} for d in DOCS]))
+    pq.write_table(pa.table({"text": DOCS}), root / "docs.parquet")
+    (root / "folder").mkdir()
+    (root / "folder" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:30]))
+    (root / "folder" / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[30:]))
+    (root / "folder" / ".hidden.txt").write_text("not data")
+    return ["docs.jsonl.gz", "docs.json", "docs.parquet", "folder"]
+
+
+def test_every_format_and_a_folder_yield_the_same_blocks_as_jsonl(tmp_path):
+    tok = _char_tokenizer()
+    others = _write_formats(tmp_path)
+    reference = _blocks(tmp_path / "docs.jsonl", tok)
+    assert len(reference["train"]) > 10
+    for name in others:
+        blocks = _blocks(tmp_path / name, tok)
+        assert _rows(blocks["train"]) == _rows(reference["train"]), name
+    # a .txt file holding the same characters (a line per document) packs into the same blocks
+    (tmp_path / "docs.txt").write_text("".join(DOCS))
+    assert _rows(_blocks(tmp_path / "docs.txt", tok)["train"]) == _rows(reference["train"])
+
+
+def test_streaming_packs_the_same_blocks_and_resumes_where_it_stopped(tmp_path):
+    from torch.utils.data import DataLoader
+
+    tok = _char_tokenizer()
+    _write_formats(tmp_path)
+    blocks = _blocks(tmp_path / "docs.jsonl", tok)["train"]
+    stream = _blocks(tmp_path / "docs.jsonl", tok, streaming=True)["train"]
+    assert _rows(stream) == _rows(blocks)
+
+    def loader(ds):  # as train.py reads it
+        return iter(DataLoader(ds, batch_size=3))
+
+    stream = stream.with_format("torch")
+    uninterrupted = [b["input_ids"].tolist() for b in loader(stream)]
+    interrupted = loader(stream)
+    first = [next(interrupted)["input_ids"].tolist() for _ in range(4)]
+    state = json.loads(json.dumps(stream.state_dict()))  # as saved in a checkpoint
+    resumed = _blocks(tmp_path / "docs.jsonl", tok, streaming=True)["train"].with_format("torch")
+    resumed.load_state_dict(state)
+    assert first + [b["input_ids"].tolist() for b in loader(resumed)] == uninterrupted
+
+
+def test_tokenized_blocks_are_cached_on_disk_and_reused(tmp_path):
+    tok = _char_tokenizer()
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    raw = D.load_raw_text(train_file=str(tmp_path / "docs.jsonl"), val_fraction=0.2)
+    first = D.tokenize_and_pack(raw, tok, block_size=16, num_proc=2)
+    files = [f["filename"] for f in first["train"].cache_files]
+    assert files and all(Path(f).is_file() for f in files)  # memory-mapped Arrow files, not in memory
+    cache_dir = Path(files[0]).parent
+    before = {p: p.stat().st_mtime_ns for p in cache_dir.iterdir()}
+    again = D.tokenize_and_pack(D.load_raw_text(train_file=str(tmp_path / "docs.jsonl"), val_fraction=0.2),
+                                tok, block_size=16, num_proc=2)
+    assert [f["filename"] for f in again["train"].cache_files] == files
+    assert {p: p.stat().st_mtime_ns for p in cache_dir.iterdir()} == before  # nothing tokenized or written again
+    assert _rows(again["train"]) == _rows(first["train"])
+    other = D.tokenize_and_pack(raw, tok, block_size=8, num_proc=2)  # other options: another cache entry
+    assert [f["filename"] for f in other["train"].cache_files] != files
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("broken.json", '[{"text": "a"}, {"text": "b"', r"training file '.*broken.json': not valid JSON \(Expecting "
+                                                     r"',' delimiter, line 1 column 29\); a .json file is one JSON"),
+    ("x.csv", "a,b\n", r"unsupported data file extension '.csv' for .*x.csv: pass a file \(or a folder of files\) "
+                       r"ending in .txt, .raw, .text, .txt.gz, .jsonl, .json, .jsonl.gz, .json.gz, .parquet"),
+    ("empty_folder", None, r"training file '.*empty_folder' is a folder without data files"),
+    ("bad.jsonl.gz", b"not gzip", r"training file '.*bad.jsonl.gz' cannot be read \(Not a gzipped file"),
+    ("bad.parquet", b"PAR1 nope", r"training file '.*bad.parquet' is not a readable Parquet file"),
+    ("cut.txt", "abc €".encode()[:-1], r"is not UTF-8 text: it ends inside a character"),
+])
+def test_bad_files_are_one_line_data_errors(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(D.DataError, match=message) as err:
+        D.load_raw_text(train_file=str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_file_checks_read_in_chunks_and_report_offsets_and_lines_across_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "CHUNK", 7)  # characters and lines cut across reads
+    text = "héllo wörld €uro\n" * 3
+    good = _write(tmp_path / "good.txt", text)
+    D._check_file(str(good), "training file")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(text.encode() + b"ok \xff tail")
+    with pytest.raises(D.DataError, match=f"byte 0xff at offset {len(text.encode()) + 3} "):
+        D._check_file(str(bad), "training file")
+    lines = tmp_path / "d.jsonl"
+    lines.write_text('{"text": "été"}\n' * 4 + '{"text": "é"\n')
+    with pytest.raises(D.DataError, match="line 5: not valid JSON"):
+        D._check_file(str(lines), "training file")
+    with pytest.raises(D.DataError, match="is empty"):
+        D._check_file(str(_write(tmp_path / "blank.txt", " \n" * 20)), "training file")
+
+
+def test_streaming_needs_a_validation_split(tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    with pytest.raises(D.DataError, match="--streaming needs a validation split.*pass --validation_file"):
+        D.load_raw_text(train_file=str(tmp_path / "docs.jsonl"), streaming=True)

@@ -276,14 +276,15 @@ def test_bad_inputs_fail_with_clear_errors(small_text, tmp_path, bad, message):
 
 
 BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"text": "a"}\n\n{"text": "b"\n',
-             "bad.yaml": b"max_steps: 3\nlearning_rate: [1e-3\n", "a_directory": None}
+             "bad.yaml": b"max_steps: 3\nlearning_rate: [1e-3\n", "a_directory": None,
+             "broken.json": b'[{"text": "a"} {"text": "b"}]'}
 
 
 @pytest.mark.parametrize("bad, message", [
     (["--train_file", "binary.txt"], r"training file '.*binary.txt' is not UTF-8 text: byte 0xff at offset 13 "
                                      r"\(invalid start byte\); pass a text file, or convert it"),
     (["--train_file", "bad.jsonl"], r"training file '.*bad.jsonl', line 3: not valid JSON \(Expecting ',' delimiter, "
-                                    r"column 13\); every line of a .jsonl file is one JSON object"),
+                                    r"column 13\); every line of a JSON lines file is one JSON object"),
     (["--config", "bad.yaml"], r"--config '.*bad.yaml': not valid YAML \(while parsing a flow sequence .* line 2, "),
     (["--learning_rate", "-1e-3"], r"--learning_rate must be >= 0, got -0.001: pass the peak learning rate as a "
                                    r"positive number"),
@@ -291,8 +292,10 @@ BAD_FILES = {"binary.txt": b"To be, or\nnot\xff\xfe to be\n", "bad.jsonl": b'{"t
     (["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps must be a positive integer, got 0"),
     (["--mixed_precision", "fp8x"], r"argument --mixed_precision/--mixed-precision: invalid choice: 'fp8x' \(choose "
                                     r"from 'no', 'bf16', 'fp16'\)"),
-    (["--train_file", "a_directory"], r"training file '.*a_directory' is a directory, not a file; pass a .txt or "
-                                      r".jsonl file"),
+    (["--train_file", "a_directory"], r"training file '.*a_directory' is a folder without data files; it must hold "
+                                      r"files ending in .txt, "),
+    (["--train_file", "broken.json"], r"training file '.*broken.json': not valid JSON \(Expecting ',' delimiter, line 1 "
+                                      r"column 16\); a .json file is one JSON document"),
 ])
 def test_bad_input_is_one_line_naming_the_problem_and_the_fix(small_text, tmp_path, capsys, bad, message):
     import train

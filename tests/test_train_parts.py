@@ -463,3 +463,35 @@ def test_a_checkpoint_from_before_manifests_is_used_with_a_warning(tmp_path):
     assert find_checkpoint(str(path), str(path), warn=warnings.append) == path
     assert warnings == [f"warning: {path} has no manifest.json (saved before checkpoints had one): using it "
                         f"unverified"] * 2
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+def test_a_resumed_streaming_run_reads_the_blocks_an_uninterrupted_one_reads(tmp_path, monkeypatch):
+    """--streaming: the checkpoint records the stream's position (data_state_0.json); the run resumed from it reads
+    the next blocks an uninterrupted run reads."""
+    import train
+
+    text = "".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(300))
+    (tmp_path / "train.txt").write_text(text)
+    (tmp_path / "val.txt").write_text(text[:2000])
+    seen, micro_batches = {}, train.micro_batches
+
+    def recorded(accelerator, train_dl, state):
+        for batch in micro_batches(accelerator, train_dl, state):
+            seen[state.step + 1] = batch["input_ids"].tolist()
+            yield batch
+
+    monkeypatch.setattr(train, "micro_batches", recorded)
+
+    def run(out, max_steps, *extra):
+        seen.clear()
+        train.main(["--config", PRESET, f"--train_file={tmp_path / 'train.txt'}", f"--validation_file={tmp_path / 'val.txt'}",
+                    "--streaming=true", f"--output_dir={out}", f"--max_steps={max_steps}", "--save_interval=2",
+                    "--eval_interval=0", "--sample_tokens=0", "--block_size=16", "--batch_size=2", "--num_proc=1",
+                    *[f"--model.{k}={v}" for k, v in SMALL.items()], *extra])
+        return dict(seen)
+
+    uninterrupted = run(tmp_path / "a", 4)
+    assert run(tmp_path / "b", 2) == {k: uninterrupted[k] for k in (1, 2)}
+    assert (tmp_path / "b" / "checkpoints" / "step_2" / "data_state_0.json").is_file()
+    assert run(tmp_path / "b", 4, "--resume_from_checkpoint=latest") == {k: uninterrupted[k] for k in (3, 4)}

@@ -7,6 +7,7 @@ pruned to the newest `--save_total_limit`.
         model.safetensors, optimizer.bin, scheduler.bin, random_states_R.pkl   accelerator.save_state
         tokenizer/                 the run's tokenizer (a resumed run loads it from here)
         trainer_state.json         TrainState
+        data_state_R.json          with --streaming: rank R's position in the stream (IterableDataset.state_dict())
         training_config.json       Config: data, train, model (compared with the resuming run's: check_config_change)
         manifest.json              {"files": {relative path: {"size": bytes, "sha256": hex}}} of all the above
         CHECKPOINT_COMPLETE        written last
@@ -136,18 +137,18 @@ def _step(path: Path) -> int:
 #                          optimizer and scheduler partly override). An error unless --allow_config_change.
 #   RESUME_FREE            how long to train and what to report: max_steps (extends or shortens the cosine schedule),
 #                          the logging / evaluation / checkpoint intervals and limits, trackers, the final sample and
-#                          lm-eval, DataLoader workers, autocast precision (another device may want another), where the
+#                          lm-eval, DataLoader workers and tokenizing processes, autocast precision (another device may want another), where the
 #                          run writes, and the resume flags themselves. Never checked.
 # The `--model.KEY`s all must match but for MODEL_RUNTIME_KEYS (how the same weights are computed, not what they are).
 RESUME_MUST_MATCH = {"model_type"}
 RESUME_CHANGE_ALLOWED_WITH_FLAG = {
     "dataset", "dataset_config", "train_file", "validation_file", "text_column", "val_fraction", "add_eos",
-    "tokenizer", "bpe_vocab_size", "block_size", "batch_size", "gradient_accumulation_steps", "seed",
+    "tokenizer", "bpe_vocab_size", "block_size", "streaming", "batch_size", "gradient_accumulation_steps", "seed",
     "learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"}
 RESUME_FREE = {
     "config", "max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "save_total_limit",
     "resume_from_checkpoint", "allow_config_change", "output_dir", "report_to", "sample_tokens", "sample_prompt",
-    "eval_lm_harness", "lm_harness_limit", "num_workers", "mixed_precision"}
+    "eval_lm_harness", "lm_harness_limit", "num_workers", "num_proc", "mixed_precision"}
 MODEL_RUNTIME_KEYS = {"recurrence_impl", "use_cache"}
 
 
@@ -204,18 +205,30 @@ def check_config_change(checkpoint: Path, cfg: Config, warn: Callable[[str], Non
              f"--allow_config_change): the run will not reproduce an uninterrupted one")
 
 
+def load_data_state(checkpoint: Path, rank: int) -> dict:
+    """Rank `rank`'s position in the streamed training data, saved with `checkpoint`."""
+    path = checkpoint / f"data_state_{rank}.json"
+    if not path.is_file():
+        raise TrainingInputError(f"--resume_from_checkpoint {checkpoint}: no {path.name} (the run that saved it did "
+                                 f"not use --streaming, or had fewer processes): resume with that run's options")
+    return json.loads(path.read_text())
+
+
 # ------------------------------------------------------------------------------------------------- save
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, cfg: Config | None = None,
-                    total_limit: int = 0) -> None:
-    """accelerator.save_state into a temporary directory, the tokenizer, TrainState and config next to it, the
-    manifest, the marker written last, then an atomic rename to OUTPUT_DIR/checkpoints/step_N; then keep only the
-    newest `total_limit` complete checkpoints (0: all). Every process calls it."""
+                    total_limit: int = 0, data_state: dict | None = None) -> None:
+    """accelerator.save_state into a temporary directory, the tokenizer, TrainState and config next to it (and each
+    rank's `data_state`, its position in a streamed dataset), the manifest, the marker written last, then an atomic
+    rename to OUTPUT_DIR/checkpoints/step_N; then keep only the newest `total_limit` complete checkpoints (0: all).
+    Every process calls it."""
     final = Path(output_dir) / "checkpoints" / f"step_{state.step}"
     tmp = final.with_name(f".tmp_step_{state.step}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
+    if data_state is not None:
+        (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp / "tokenizer")

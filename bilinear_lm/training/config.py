@@ -27,6 +27,8 @@ from transformers.hf_argparser import HfArg, string_to_bool
 from bilinear_lm import BilinearConfig
 from bilinear_lm.baselines import MODEL_TYPES
 
+from .data import default_num_proc
+
 logger = logging.getLogger(__name__)
 MODEL_PREFIX = "--model."
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
@@ -48,21 +50,30 @@ class DataConfig:
                                 "documents); with neither this nor --train_file, the Tiny Shakespeare text shipped "
                                 "with the package")
     dataset_config: str | None = HfArg(default=None, help="the Hub dataset's configuration")
-    train_file: str | None = HfArg(default=None, help="a local .txt or .jsonl file; wins over --dataset")
+    train_file: str | None = HfArg(default=None, help="a local file or a folder of files (.txt, .jsonl, .jsonl.gz, "
+                                   ".json, .parquet); wins over --dataset")
     validation_file: str | None = HfArg(default=None, help="default: the last --val_fraction of the training text")
     text_column: str = HfArg(default="text", help="the text field of .jsonl / Hub rows")
     val_fraction: float = HfArg(default=0.1, help="held-out tail when there is no validation split")
-    add_eos: bool | None = HfArg(default=None, help="append EOS after every row; default: for .jsonl files and Hub "
-                                 "datasets (rows are documents), not for .txt files (lines)")
+    add_eos: bool | None = HfArg(default=None, help="append EOS after every row; default: for JSON / Parquet files and "
+                                 "Hub datasets (rows are documents), not for .txt files (lines)")
     tokenizer: str = HfArg(default="bpe", help="bpe (a byte-level BPE trained on the training text), char, or a Hub "
                            "name / local directory")
     bpe_vocab_size: int = HfArg(default=8192, help="vocabulary of the trained BPE")
     block_size: int = HfArg(default=256, help="tokens per training sequence")
     num_workers: int = HfArg(default=0, help="DataLoader worker processes")
+    num_proc: int = HfArg(default_factory=default_num_proc, help="processes tokenizing the data (once: the result is "
+                          "cached on disk by `datasets`); default: the usable CPU cores, at most 8")
+    streaming: bool = HfArg(default=False, help="read, tokenize and pack the training data as training goes (a corpus "
+                            "larger than the disk): in order, no shuffling; needs a validation split")
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise TrainingInputError(f"--block_size must be a positive integer, got {self.block_size}")
+        for key in ("block_size", "num_proc"):
+            if getattr(self, key) < 1:
+                raise TrainingInputError(f"--{key} must be a positive integer, got {getattr(self, key)}")
+        if self.streaming and self.num_workers:
+            raise TrainingInputError("--streaming reads the data in the training process (so that a checkpoint records "
+                                     "the position): pass --num_workers 0")
 
 
 @dataclass

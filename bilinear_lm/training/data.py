@@ -6,10 +6,17 @@ checkpoint and reloaded with `AutoTokenizer.from_pretrained`.
 
     raw = load_raw_text(train_file=DEFAULT_TRAIN_FILE, val_fraction=0.1)   # the Tiny Shakespeare text shipped here
     tok = build_tokenizer("char", raw["train"])
-    blocks = tokenize_and_pack(raw, tok, block_size=64)   # DatasetDict of {"input_ids", "labels"} rows
+    blocks = tokenize_and_pack(raw, tok, block_size=64)   # DatasetDict of {"input_ids"} rows, cached on disk
+
+Data scales: files are checked in chunks, tokenizing runs in `num_proc` processes into the `datasets` cache
+(memory-mapped Arrow files, reused by the next run and by the other ranks), packing is Arrow arithmetic, and
+`streaming=True` reads, tokenizes and packs a training corpus as it is iterated (resumable position:
+`IterableDataset.state_dict()`).
 """
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
 import os
 import urllib.error
@@ -18,7 +25,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import datasets
-from datasets import Dataset, DatasetDict, concatenate_datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
+from datasets.fingerprint import Hasher
 
 
 class DataError(ValueError):
@@ -29,48 +40,114 @@ class DataError(ValueError):
 # Tiny Shakespeare (40,000 lines, 1.1 MB; public domain), karpathy/char-rnn's data/tinyshakespeare/input.txt
 # unchanged: train.py's data when it is given neither --dataset nor --train_file, so it runs anywhere offline.
 DEFAULT_TRAIN_FILE = str(Path(__file__).parent / "default_data" / "tinyshakespeare.txt")
-TEXT_EXTENSIONS = {".txt": "text", ".raw": "text", ".text": "text", ".jsonl": "json", ".json": "json"}
+# file name ending -> the `datasets` builder that reads it (.gz files are decompressed by `datasets`)
+FORMATS = {".txt": "text", ".raw": "text", ".text": "text", ".txt.gz": "text", ".jsonl": "json", ".json": "json",
+           ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
 EOS_TOKEN = "<|endoftext|>"
+VALIDATION_SPLITS = ("validation", "valid", "val")  # the names a dataset's held-out split goes by
+PACK_ROWS = 100_000  # rows per packing batch: small files pack as one contiguous stream (like nanoGPT)
+CHUNK = 1 << 20      # bytes per read when checking a file
 
 
 # --------------------------------------------------------------------------------------------- loading
-def _builder_for(path: str) -> str:
-    suffix = Path(path).suffix.lower()
-    if suffix not in TEXT_EXTENSIONS:
-        raise DataError(
-            f"unsupported data file extension {suffix!r} for {path}: use a .txt (one text, split by lines) "
-            f"or .jsonl (one JSON object per line with a text field) file"
-        )
-    return TEXT_EXTENSIONS[suffix]
+def _format(path: str | Path) -> str | None:
+    """The FORMATS key `path` ends with (None: unsupported)."""
+    name = Path(path).name.lower()
+    return max((ext for ext in FORMATS if name.endswith(ext)), key=len, default=None)
+
+
+def _data_files(path: str, what: str) -> list[str]:
+    """`path` (a file, or a folder: its supported files, sorted) as the list of files to load."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and _format(f) and not f.name.startswith("."))
+        if not files:
+            raise DataError(f"{what} {path!r} is a folder without data files; it must hold files ending in "
+                            f"{', '.join(FORMATS)}")
+        return files
+    if not p.is_file():
+        raise DataError(f"{what} {path!r} does not exist (resolved to {p.resolve()}); check the path")
+    if _format(p) is None:
+        raise DataError(f"unsupported data file extension {''.join(p.suffixes[-2:]) or p.name!r} for {path}: pass "
+                        f"a file (or a folder of files) ending in {', '.join(FORMATS)}")
+    return [path]
 
 
 def _check_file(path: str, what: str) -> None:
-    """A readable UTF-8 text file with some text in it (and, for .jsonl, one JSON value per line), else a DataError
-    naming the file, where it goes wrong and the fix."""
-    p = Path(path)
-    if p.is_dir():
-        raise DataError(f"{what} {path!r} is a directory, not a file; pass a .txt or .jsonl file")
-    if not p.is_file():
-        raise DataError(f"{what} {path!r} does not exist (resolved to {p.resolve()}); check the path")
-    raw = p.read_bytes()
+    """A readable file of its format with some text in it, else a DataError naming the file, where it goes wrong and
+    the fix. Text formats are read once in CHUNK-sized pieces: UTF-8 (the byte offset of the first bad byte), no
+    NUL byte, not only whitespace, and for JSON lines one JSON value per line (the line number)."""
+    fmt = _format(path)
+    if fmt == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pq.ParquetFile(path)
+        except Exception as err:  # noqa: BLE001 - any unreadable parquet is the same user error
+            raise DataError(f"{what} {path!r} is not a readable Parquet file ({str(err).splitlines()[0]}); pass a "
+                            f"Parquet file with a text column") from None
+        return
+    if fmt == ".json" and _check_json_document(path, what):
+        return
+    opener = gzip.open if fmt.endswith(".gz") else open
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    json_lines = "json" in fmt
+    offset, line_number, line, has_text = 0, 1, "", False
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{what} {path!r} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset {err.start} "
-                        f"({err.reason}); pass a text file, or convert it (e.g. iconv -f LATIN1 -t UTF-8)") from None
-    if "\0" in text:
-        raise DataError(f"{what} {path!r} is binary, not text: a NUL byte at offset {raw.index(0)}; pass a .txt "
-                        f"or .jsonl text file")
-    if not text.strip():
+        with opener(path, "rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                pending = decoder.getstate()[0]  # the start of a character cut by the previous chunk
+                try:
+                    text = decoder.decode(chunk)
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{what} {path!r} is not UTF-8 text: byte 0x{(pending + chunk)[err.start]:02x} "
+                                    f"at offset {offset - len(pending) + err.start} ({err.reason}); pass a text "
+                                    f"file, or convert it (e.g. iconv -f LATIN1 -t UTF-8)") from None
+                if b"\0" in chunk:
+                    raise DataError(f"{what} {path!r} is binary, not text: a NUL byte at offset "
+                                    f"{offset + chunk.index(0)}; pass a text file")
+                has_text = has_text or (text.strip() != "")
+                if json_lines:
+                    *lines, line = (line + text).split("\n")
+                    for number, complete in enumerate(lines, line_number):
+                        _check_json_line(complete, number, path, what)
+                    line_number += len(lines)
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:  # the file ends inside a character
+        raise DataError(f"{what} {path!r} is not UTF-8 text: it ends inside a character ({err.reason}); pass a text "
+                        f"file, or convert it (e.g. iconv -f LATIN1 -t UTF-8)") from None
+    except (OSError, EOFError) as err:  # e.g. a .gz file that is not gzip, or is truncated
+        raise DataError(f"{what} {path!r} cannot be read ({err}); pass an intact {fmt} file") from None
+    if json_lines:
+        _check_json_line(line, line_number, path, what)
+    if not has_text:
         raise DataError(f"{what} {path!r} is empty; it must contain text to train on")
-    if p.suffix.lower() == ".jsonl":
-        for number, line in enumerate(text.splitlines(), 1):
-            try:
-                if line.strip():
-                    json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{what} {path!r}, line {number}: not valid JSON ({err.msg}, column {err.colno}); "
-                                f"every line of a .jsonl file is one JSON object, e.g. {{\"text\": \"...\"}}") from None
+
+
+def _check_json_line(line: str, number: int, path: str, what: str) -> None:
+    try:
+        if line.strip():
+            json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{what} {path!r}, line {number}: not valid JSON ({err.msg}, column {err.colno}); every line "
+                        f"of a JSON lines file is one JSON object, e.g. {{\"text\": \"...\"}}") from None
+
+
+def _check_json_document(path: str, what: str) -> bool:
+    """A .json file that is one JSON document: True when it parses (read whole, as `datasets` reads it), a DataError
+    when it is broken; False when it is JSON lines instead (one value per line: checked as such)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+        return True
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" or not err.doc.strip():  # JSON lines, or empty: the chunked check says which
+            return False
+        raise DataError(f"{what} {path!r}: not valid JSON ({err.msg}, line {err.lineno} column {err.colno}); a .json "
+                        f"file is one JSON document, e.g. [{{\"text\": \"...\"}}, ...], or one object per line") from None
+    except UnicodeDecodeError:
+        return False  # reported with its byte offset by the chunked check
 
 
 def offline_mode() -> bool:
@@ -103,6 +180,31 @@ def _offline_help(dataset: str, text_column: str) -> str:
     )
 
 
+def builder_for(path: str, what: str = "training file", files: list[str] | None = None) -> str:
+    """The `datasets` builder (text, json, parquet) that reads `path`, a file or a folder of files of one format."""
+    builders = {FORMATS[_format(name)] for name in files or _data_files(path, what)}
+    if len(builders) != 1:
+        raise DataError(f"{what} {path!r} mixes formats ({', '.join(sorted(builders))}); a folder's files must all "
+                        f"be text, JSON or Parquet")
+    return builders.pop()
+
+
+def _load_file(path: str, what: str, streaming: bool) -> Dataset | IterableDataset:
+    """One split from a file or folder (FORMATS), each file checked first."""
+    files = _data_files(path, what)
+    builder = builder_for(path, what, files)
+    for name in files:
+        _check_file(name, what)
+    kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **kwargs)
+    except datasets.exceptions.DatasetGenerationError as err:  # e.g. JSON values that are not objects
+        cause = err.__cause__ or err
+        raise DataError(f"{what} {path!r} cannot be read as {builder} ({type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0][:200]}); every row must be an object with a text field, e.g. "
+                        f"{{\"text\": \"...\"}}") from None
+
+
 def load_raw_text(
     dataset: str | None = None,
     dataset_config: str | None = None,
@@ -110,90 +212,92 @@ def load_raw_text(
     validation_file: str | None = None,
     text_column: str = "text",
     val_fraction: float = 0.1,
+    streaming: bool = False,
 ) -> DatasetDict:
     """Return DatasetDict(train=..., validation=...) with a single `text` column.
 
-    Local files win over `dataset`. Without a validation split the LAST `val_fraction` of the training
-    characters becomes validation (exactly nanoGPT's prepare.py split for a single text file).
+    Local files (a file or a folder of them, FORMATS) win over `dataset`. Without a validation split the LAST
+    `val_fraction` of the training characters becomes validation (exactly nanoGPT's prepare.py split for a single
+    text file). With `streaming` the train split is a `datasets.IterableDataset` read as it is iterated (the
+    validation split, which must then exist, is loaded as usual).
     """
     if train_file:
-        _check_file(train_file, "training file")
-        files = {"train": train_file}
-        if validation_file:
-            _check_file(validation_file, "validation file")
-            files["validation"] = validation_file
-        builders = {_builder_for(f) for f in files.values()}
-        if len(builders) != 1:
-            raise DataError("--train_file and --validation_file must have the same format (.txt or .jsonl)")
-        builder = builders.pop()
-        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
-        raw = datasets.load_dataset(builder, data_files=files, **kwargs)
+        raw = {"train": _load_file(train_file, "training file", streaming)}
     elif dataset:
         if not Path(dataset).exists() and not hub_reachable():
             # a cached copy may still exist: only try it when the user explicitly asked for offline mode
             if offline_mode():
                 try:
-                    raw = datasets.load_dataset(dataset, dataset_config)
+                    raw = datasets.load_dataset(dataset, dataset_config, streaming=streaming)
                 except Exception as err:  # noqa: BLE001 - re-raised with the fix
                     raise DataError(_offline_help(dataset, text_column)) from err
             else:
                 raise DataError(_offline_help(dataset, text_column))
         else:
-            raw = datasets.load_dataset(dataset, dataset_config)
-        if validation_file:
-            _check_file(validation_file, "validation file")
-            builder = _builder_for(validation_file)
-            raw["validation"] = datasets.load_dataset(
-                builder, data_files=validation_file, split="train", **({"keep_linebreaks": True} if builder == "text" else {})
-            )
+            raw = datasets.load_dataset(dataset, dataset_config, streaming=streaming)
+        held_out = next((s for s in VALIDATION_SPLITS if s in raw), None)
+        if streaming and held_out and not validation_file:  # small: loaded as usual (cached, random access)
+            raw = {**raw, held_out: datasets.load_dataset(dataset, dataset_config, split=held_out)}
     else:
-        raise DataError("no training data: pass --dataset NAME (HuggingFace hub) or --train_file PATH (.txt/.jsonl)")
+        raise DataError("no training data: pass --dataset NAME (HuggingFace hub) or --train_file PATH (a file or a "
+                        "folder of files)")
 
     if "train" not in raw:
         raise DataError(f"dataset has no 'train' split (splits: {list(raw)})")
-    if text_column not in raw["train"].column_names:
-        raise DataError(
-            f"text column {text_column!r} not found (columns: {raw['train'].column_names}); pass --text_column"
-        )
+    columns = raw["train"].column_names
+    if columns is not None and text_column not in columns:
+        raise DataError(f"text column {text_column!r} not found (columns: {columns}); pass --text_column")
+    if validation_file:
+        raw["validation"] = _load_file(validation_file, "validation file", streaming=False)
     out = DatasetDict({"train": raw["train"].select_columns([text_column])})
-    val_name = next((s for s in ("validation", "valid", "val") if s in raw), None)
-    if val_name is not None:
-        out["validation"] = raw[val_name].select_columns([text_column])
-    else:
+    val_name = next((s for s in VALIDATION_SPLITS if s in raw), None)
+    if val_name is None and streaming:
+        raise DataError("--streaming needs a validation split (carving --val_fraction off a stream would need its "
+                        "length): pass --validation_file, or a --dataset with a validation split")
+    if val_name is None:
         out["train"], out["validation"] = carve_validation(out["train"], val_fraction, text_column)
+    else:
+        out["validation"] = raw[val_name].select_columns([text_column])
     if text_column != "text":
-        out = out.rename_column(text_column, "text")
-    if sum(len(t) for t in out["train"]["text"]) == 0:
+        out = DatasetDict({split: ds.rename_column(text_column, "text") for split, ds in out.items()})
+    if not streaming and _n_chars(out["train"]) == 0:
         raise DataError("training data contains no text")
     return out
+
+
+def _char_lengths(ds: Dataset, text_column: str = "text") -> np.ndarray:
+    """Characters per row, computed by Arrow (no Python strings)."""
+    return pc.utf8_length(ds.with_format("arrow")[text_column]).to_numpy(zero_copy_only=False)
+
+
+def _n_chars(ds: Dataset, text_column: str = "text") -> int:
+    return int(_char_lengths(ds, text_column).sum())
 
 
 def carve_validation(ds: Dataset, val_fraction: float, text_column: str = "text") -> tuple[Dataset, Dataset]:
     """Split off the last `val_fraction` of the characters (splitting one row if needed)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    texts = ds[text_column]
-    total = sum(len(t) for t in texts)
-    cut = int(total * (1.0 - val_fraction))  # == nanoGPT: train = data[:int(n*0.9)]
-    seen = 0
-    for i, t in enumerate(texts):
-        if seen + len(t) > cut:
-            break
-        seen += len(t)
-    else:
+    ends = np.cumsum(_char_lengths(ds, text_column))  # characters up to and including each row
+    cut = int(int(ends[-1]) * (1.0 - val_fraction)) if len(ends) else 0  # == nanoGPT: train = data[:int(n*0.9)]
+    i = int(np.searchsorted(ends, cut, side="right"))  # the row that holds character `cut`
+    if i >= len(ds):
         raise DataError("training data too small to carve a validation split; pass --validation_file")
-    off = cut - seen
-    head = Dataset.from_dict({text_column: [texts[i][:off]]})
-    tail = Dataset.from_dict({text_column: [texts[i][off:]]})
+    off = cut - (int(ends[i - 1]) if i else 0)
+    row = ds[i][text_column]
+    head = Dataset.from_dict({text_column: [row[:off]]}, features=ds.features)
+    tail = Dataset.from_dict({text_column: [row[off:]]}, features=ds.features)
     train = concatenate_datasets([ds.select(range(i)), head]) if off else ds.select(range(i))
     val = concatenate_datasets([tail, ds.select(range(i + 1, len(ds)))]) if i + 1 < len(ds) else tail
     return train, val
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
-def _iter_text(ds: Dataset, batch: int = 1000) -> Iterator[list[str]]:
-    for i in range(0, len(ds), batch):
-        yield ds[i : i + batch]["text"]
+def _iter_text(texts: Dataset | IterableDataset | list, batch: int = 1000) -> Iterator[list[str]]:
+    """Batches of the `text` column of a dataset (or of several, one after the other), streamed."""
+    for ds in texts if isinstance(texts, list) else [texts]:
+        for rows in ds.iter(batch_size=batch):
+            yield rows["text"]
 
 
 def train_bpe_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int):
@@ -211,14 +315,15 @@ def train_bpe_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: 
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
-def build_tokenizer(spec: str | None, train_text: Dataset, vocab_size: int = 8192):
-    """`char` -> character vocabulary of the training text; None/"bpe" -> byte-level BPE trained with
-    `tokenizers`; anything else -> AutoTokenizer.from_pretrained(spec) (local directory or hub name)."""
+def build_tokenizer(spec: str | None, train_text: Dataset | IterableDataset | list, vocab_size: int = 8192):
+    """`char` -> character vocabulary of the text (a dataset, or a list of them); None/"bpe" -> byte-level BPE
+    trained with `tokenizers` on it (one pass, streamed); anything else -> AutoTokenizer.from_pretrained(spec)
+    (local directory or hub name)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if spec == "char":
-        chars = sorted(set().union(*(set(t) for t in _iter_text_flat(train_text))))
+        chars = sorted(set().union(*(set("".join(batch)) for batch in _iter_text(train_text))))
         # BPE with no merges = one token per character; Fuse joins them back without spaces
         tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
         tok.decoder = decoders.Fuse()
@@ -249,44 +354,58 @@ def build_tokenizer(spec: str | None, train_text: Dataset, vocab_size: int = 819
     return tokenizer
 
 
-def _iter_text_flat(ds: Dataset) -> Iterator[str]:
-    for batch in _iter_text(ds):
-        yield from batch
-
-
 # -------------------------------------------------------------------------------------- tokenize + pack
-def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: bool = False) -> DatasetDict:
-    """Tokenize every split with `.map` and pack the concatenated token stream into `block_size` rows.
+def default_num_proc() -> int:
+    """Processes for tokenizing: the CPU cores this process may use, at most 8."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
-    Rows are concatenated as they are (.txt rows keep their line breaks); with `add_eos` the tokenizer's
-    EOS id is appended to every row (document-per-row data such as .jsonl). The tail that does not fill
-    a whole block is dropped. `labels` equal `input_ids`; the model shifts them.
+
+def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: bool = False,
+                      num_proc: int | None = None) -> DatasetDict:
+    """Tokenize every split with `.map` and pack the concatenated token stream into `block_size` rows of `input_ids`
+    (int32; the training loader adds `labels`, equal to them: the model shifts them).
+
+    Rows are concatenated as they are (.txt rows keep their line breaks); with `add_eos` the tokenizer's EOS id is
+    appended to every row (document-per-row data such as .jsonl). Every PACK_ROWS rows are packed as one stream
+    whose tail that does not fill a whole block is dropped. A map-style split is tokenized by `num_proc` processes
+    into the `datasets` cache on disk (memory-mapped; a second call with the same text, tokenizer and options loads
+    it from there); an `IterableDataset` split (streaming) is tokenized and packed the same way as it is iterated,
+    into the same blocks.
     """
     eos = tokenizer.eos_token_id if add_eos else None
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
 
     def tokenize(batch):
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        if eos is not None:
-            ids = [x + [eos] for x in ids]
-        return {"input_ids": ids}
+        return {"input_ids": [x + [eos] for x in ids] if eos is not None else ids}
 
-    def group(batch):
-        flat = [t for ids in batch["input_ids"] for t in ids]
-        n = (len(flat) // block_size) * block_size
-        blocks = [flat[i : i + block_size] for i in range(0, n, block_size)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+    def pack(table: pa.Table) -> pa.Table:
+        flat = pc.list_flatten(table["input_ids"])
+        n = len(flat) // block_size * block_size
+        flat = flat.slice(0, n)
+        flat = flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
+        offsets = pa.array(np.arange(0, n + 1, block_size, dtype=np.int32))
+        return pa.table({"input_ids": pa.ListArray.from_arrays(offsets, flat)})
 
+    # the cache key: the text, the tokenizer's full definition and the options (not the hash of a closure)
+    key = Hasher.hash([tokenizer.backend_tokenizer.to_str(), eos, block_size, PACK_ROWS])
     out = DatasetDict()
     for split, ds in raw.items():
-        toks = ds.map(tokenize, batched=True, remove_columns=ds.column_names, keep_in_memory=True,
+        if isinstance(ds, IterableDataset):
+            toks = ds.map(tokenize, batched=True, remove_columns=["text"], features=features)
+            out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS).with_format(None)
+            continue
+        procs = num_proc or default_num_proc()  # 1: in this process (datasets would start one worker)
+        toks = ds.map(tokenize, batched=True, remove_columns=ds.column_names, features=features,
+                      num_proc=procs if procs > 1 else None, new_fingerprint=Hasher.hash([ds._fingerprint, key]),
                       desc=f"tokenize {split}")
-        n_tokens = sum(len(x) for x in toks["input_ids"])
+        n_tokens = int(pc.sum(pc.list_value_length(toks.with_format("arrow")["input_ids"])).as_py() or 0)
         if n_tokens < block_size:
             raise DataError(
                 f"the {split} split has only {n_tokens} tokens, fewer than block_size={block_size}; "
                 f"use a smaller --block_size or more data"
             )
-        # 100k rows per packing batch: small files pack as one contiguous stream (like nanoGPT)
-        out[split] = toks.map(group, batched=True, batch_size=100_000, remove_columns=toks.column_names,
-                              keep_in_memory=True, desc=f"pack {split}")
+        out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS, desc=f"pack {split}",
+                                                   new_fingerprint=Hasher.hash([toks._fingerprint, "pack", key])
+                                                   ).with_format(None)
     return out
