@@ -9,10 +9,11 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
 - ``train``: training tokens/s (forward + backward + AdamW step) at each sequence length, fp32 and bf16
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
   Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines), and on request
-  ``bilinear-matrixP`` (the matrix state: write channel, ``state_columns = P``; not matched); plus model FLOPs
+  ``bilinear-matrixP`` (the matrix state: write channel, ``state_columns = P``) and ``hybrid-K`` (every K-th layer
+  full attention, the others bilinear), neither parameter-matched; plus model FLOPs
   utilization and the share of the bilinear step spent in the recurrence.
 - ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
-  bilinear (recurrent state; and the ``bilinear-matrixP`` of ``--models``) against Llama (KV cache).
+  bilinear (recurrent state; and the ``bilinear-matrixP`` and ``hybrid-K`` of ``--models``) against Llama (KV cache).
 - ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
   rank 256, batch 64, lengths 2-10).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import re
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import torch
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
+from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 from bilinear_lm.modeling.dispatch import cp_recurrence
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
@@ -73,6 +76,9 @@ def build(name: str, size: str, max_positions: int = 4096):
     if name.startswith("bilinear-matrix"):
         columns = int(name.removeprefix("bilinear-matrix"))
         return build_model("bilinear", {**model_cfg, "write_channel": True, "state_columns": columns}, VOCAB)
+    if name.startswith("hybrid-"):
+        layer_types = interleaved_layer_types(model_cfg["num_hidden_layers"], int(name.removeprefix("hybrid-")))
+        return build_model("bilinear", {**model_cfg, "layer_types": layer_types}, VOCAB)
     model = build_model(name, model_cfg, VOCAB)
     if name == "llama":
         model.config.max_position_embeddings = max_positions
@@ -177,10 +183,12 @@ def part_train(args, peaks):
 
 
 def cache_bytes(cache) -> int:
-    tensors = getattr(cache, "states", None)
-    if tensors is None:  # transformers' DynamicCache
-        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of every tensor a ``DynamicCache``'s layers hold (keys and values, recurrent and convolution states)."""
+    tensors = []
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            tensors += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @torch.no_grad()
@@ -202,16 +210,16 @@ def decode_latency(model, context: int, new_tokens: int, prefill_chunk: int):
 
 
 def part_generate(args):
-    lines = ["| size | model | context | ms/token | cache MiB |", "|---|---|---|---|---|"]
+    lines = ["| size | model | context | ms/token | cache KiB |", "|---|---|---|---|---|"]
     latency = {}
     size = args.sizes[-1]
-    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith("bilinear-matrix"))):
+    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith(("bilinear-matrix", "hybrid-")))):
         torch.manual_seed(0)
         model = build(name, size, max_positions=max(args.contexts) + 64).eval()
         for context in args.contexts:
             seconds, nbytes = decode_latency(model, context, args.new_tokens, args.prefill_chunk)
             latency[(name, context)] = seconds
-            lines.append(f"| {size} | {name} | {context} | {seconds * 1e3:.2f} | {nbytes / 2 ** 20:.2f} |")
+            lines.append(f"| {size} | {name} | {context} | {seconds * 1e3:.2f} | {nbytes / 2 ** 10:.2f} |")
             print("  " + lines[-1], flush=True)
         del model
         gc.collect()
@@ -265,8 +273,11 @@ def main(argv=None):
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
                                   ("--models", args.models, TRAIN_MODELS), ("--precisions", args.precisions, PRECISIONS)):
         for value in values:
-            if value not in choices:
-                parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}")
+            sized = flag == "--models" and re.fullmatch(r"(bilinear-matrix|hybrid-)[1-9]\d*", value)
+            if value not in choices and not sized:
+                parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}, bilinear-matrixP "
+                             "or hybrid-K" if flag == "--models" else f"{flag}: unknown value {value!r}; choose from "
+                             f"{list(choices)}")
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "

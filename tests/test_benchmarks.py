@@ -47,6 +47,19 @@ def test_train_part_with_any_precision_subset(untimed, precisions, capsys):
     assert (cells[9] == "-") == ("fp32" not in measured)  # the recurrence share is an fp32 measurement
 
 
+def test_generate_part_runs_the_matrix_state_and_a_hybrid(untimed, capsys):
+    """Decode rows for the matrix state and a 1:1 hybrid next to bilinear and Llama, each with its cache's bytes:
+    the recurrent state's grow with the columns, the hybrid's with the context (its attention layer's keys)."""
+    speed.main(["--parts", "generate", "--sizes", "tiny", "--models", "bilinear-matrix4,hybrid-2", "--contexts",
+                "8,16", "--new-tokens", "2"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    cache = {(r[2].strip(), int(r[3])): float(r[5]) for r in rows}
+    assert {m for m, _ in cache} == {"bilinear", "llama", "bilinear-matrix4", "hybrid-2"}
+    assert cache[("bilinear", 8)] == cache[("bilinear", 16)] > 0
+    assert cache[("bilinear-matrix4", 16)] > cache[("bilinear", 16)]
+    assert cache[("hybrid-2", 16)] > cache[("hybrid-2", 8)]
+
+
 def test_output_writes_the_printed_tables_to_the_named_file_only(untimed, tmp_path, capsys):
     """--output FILE: the tables as printed, written (not appended) to FILE; nothing else is written."""
     results_page = BENCHMARKS.parent / "docs" / "results.md"
