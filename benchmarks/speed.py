@@ -187,7 +187,8 @@ def cache_bytes(cache) -> int:
     tensors = []
     for layer in cache.layers:
         for value in vars(layer).values():
-            tensors += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(t)]
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            tensors += [t for t in values if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
