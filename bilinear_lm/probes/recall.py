@@ -52,8 +52,9 @@ def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, gener
 @dataclass(frozen=True)
 class RecallConfig:
     """One MQAR run: data (every training batch is freshly sampled, so a model cannot pass by memorizing a fixed
-    training set), training (Adam, linear warmup then cosine decay) and the model's size (bilinear ``num_heads`` x ``state_size``,
-    rank = state size; the baselines are built at the same width and depth, Llama with ``num_heads`` heads).
+    training set), training (Adam, linear warmup then cosine decay) and the model's size (bilinear ``num_heads`` x
+    ``state_size``, rank = state size; the baselines are built at the same width and depth, Llama with ``num_heads``
+    heads).
     Each field's help says what it sets."""
 
     vocab_size: int = option(1024, "vocabulary: keys from the first half, values from the second")
