@@ -6,6 +6,8 @@ resumes from its results file, and writes a markdown table.
 
     bilinear-recall --models bilinear,bilinear-conv,bilinear-write,llama,lstm --pairs 4,8,16 \
         --seq-len 64 --steps 600 --output-dir runs/recall
+    bilinear-recall --models llama,bilinear --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 \
+        --lr 1e-3,3e-3,1e-2 --warmup-steps 100 --extra '{"conv_width": 2}' --output-dir runs/recall_sweep
 """
 from __future__ import annotations
 
