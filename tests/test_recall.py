@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model
+from bilinear_lm.probes.report import recall_table
 
 
 def test_mqar_labels_are_the_values_of_the_queried_keys():
@@ -65,7 +66,8 @@ def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
 
 
 def test_recall_cli_flags_are_the_config_fields():
-    """Every RecallConfig field but the grid's num_pairs (``--pairs``) is a flag with the field's default."""
+    """Every RecallConfig field but the grid's num_pairs (``--pairs``) is a flag with the field's default (``--lr``
+    a list: the sweep's, see below)."""
     import dataclasses
 
     from bilinear_lm.probes.cli import config_from_args
@@ -73,9 +75,24 @@ def test_recall_cli_flags_are_the_config_fields():
 
     args = build_parser().parse_args([])
     assert config_from_args(RecallConfig, args, num_pairs=8) == RecallConfig()
-    args = build_parser().parse_args(["--seq-len", "32", "--lr", "0.01", "--state-size", "8"])
-    assert config_from_args(RecallConfig, args, num_pairs=2) == RecallConfig(seq_len=32, lr=0.01, state_size=8,
-                                                                           num_pairs=2)
+    args = build_parser().parse_args(["--seq-len", "32", "--state-size", "8"])
+    assert config_from_args(RecallConfig, args, num_pairs=2, lr=0.01) == RecallConfig(seq_len=32, lr=0.01,
+                                                                                    state_size=8, num_pairs=2)
     flags = {a.dest for a in build_parser()._actions}
-    assert {f.name for f in dataclasses.fields(RecallConfig)} - flags == {"num_pairs", "extra"}
+    assert {f.name for f in dataclasses.fields(RecallConfig)} - flags == {"num_pairs"}
+    args = build_parser().parse_args(["--extra", '{"conv_width": 2}'])
+    assert config_from_args(RecallConfig, args).extra == {"conv_width": 2}
+
+
+def test_recall_lr_sweep_reports_the_best_lr_per_model_and_pairs(tmp_path):
+    from bilinear_lm.probes.recall_cli import main
+
+    assert main(["--models", "lstm", "--pairs", "1,2", "--seq-len", "8", "--steps", "2", "--test-size", "4",
+                 "--vocab-size", "16", "--hidden-size", "8", "--lr", "1e-3,1e-2", "--output-dir", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["num_pairs"], r["lr"]) for r in runs] == [(1, 1e-3), (1, 1e-2), (2, 1e-3), (2, 1e-2)]
+    runs[0]["test_acc"], runs[1]["test_acc"], runs[2]["test_acc"], runs[3]["test_acc"] = 0.5, 0.25, 0.125, 1.0
+    assert recall_table(runs).splitlines()[2].endswith("| 0.500 (lr 0.001) | 1.000 (lr 0.01) |")
+    runs += [dict(r, seed=1, test_acc=0.0) for r in runs]  # seed 1: best lr 1e-3 at 2 pairs
+    assert recall_table(runs).splitlines()[2].endswith("| 0.250 (lr 0.001) (n=2) | 0.500 (lr 0.001, 0.01) (n=2) |")
 

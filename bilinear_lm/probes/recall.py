@@ -52,8 +52,9 @@ def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, gener
 @dataclass(frozen=True)
 class RecallConfig:
     """One MQAR run: data (every training batch is freshly sampled, so a model cannot pass by memorizing a fixed
-    training set), training (Adam with cosine decay) and the model's size (bilinear ``num_heads`` x ``state_size``,
-    rank = state size; the baselines are built at the same width and depth, Llama with ``num_heads`` heads).
+    training set), training (Adam, linear warmup then cosine decay) and the model's size (bilinear ``num_heads`` x
+    ``state_size``, rank = state size; the baselines are built at the same width and depth, Llama with ``num_heads``
+    heads).
     Each field's help says what it sets."""
 
     vocab_size: int = option(1024, "vocabulary: keys from the first half, values from the second")
@@ -63,6 +64,7 @@ class RecallConfig:
     steps: int = option(1500, "training steps")
     batch_size: int = option(64, "training batch size")
     lr: float | None = option(None, "Adam lr (default 3e-3 for bilinear models, 1e-3 for the baselines)")
+    warmup_steps: int = option(0, "linear lr warmup steps, then cosine decay to 0 at the last step")
     hidden_size: int = option(128, "model width")
     num_layers: int = option(2, "model depth")
     num_heads: int = option(4, "bilinear and Llama heads")
@@ -75,6 +77,9 @@ class RecallConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RecallConfig.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or \
+                not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"RecallConfig.warmup_steps must be an integer in [0, steps), got {self.warmup_steps!r}")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"RecallConfig.lr must be None or a finite number > 0, got {self.lr!r}")
 
@@ -103,6 +108,14 @@ def recall_model(name: str, config: RecallConfig):
     raise ValueError(f"unknown recall model {name!r}; choose one of {RECALL_MODELS}")
 
 
+def lr_factor(step: int, config: RecallConfig) -> float:
+    """The lr multiplier at ``step``: linear warmup over ``warmup_steps``, then cosine decay to 0 at ``steps``."""
+    w = config.warmup_steps
+    if step < w:
+        return (step + 1) / w
+    return 0.5 * (1 + math.cos(math.pi * min((step - w) / (config.steps - w), 1)))
+
+
 @torch.no_grad()
 def query_accuracy(model, tokens, labels, batch_size: int = 100) -> float:
     """Fraction of query positions (``labels != -100``) whose argmax logit is the value."""
@@ -126,7 +139,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
     model = recall_model(model_name, c).train()
     lr = c.lr if c.lr is not None else default_lr(model_name)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / c.steps, 1))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, c))
     t0, loss = time.time(), float("nan")
     for step in range(c.steps):
         x, y = mqar(c.batch_size, c.seq_len, c.num_pairs, c.vocab_size, g)

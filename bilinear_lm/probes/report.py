@@ -121,17 +121,29 @@ def write_report(runs: list[dict], out_dir: Path) -> None:
 
 
 def recall_table(runs: list[dict]) -> str:
-    """MQAR results: rows: models; columns: (seq_len, pairs); cells: mean test query accuracy over seeds (and the seed count)."""
+    """MQAR results: rows: models (with their ``extra`` keys, if any); columns: (seq_len, pairs); cells: test query
+    accuracy at the best lr of each seed (Zoology's protocol), mean over seeds (and the seed count), with the best
+    lr where more than one was run."""
+    def row(r):
+        return r["model"] + (f" {json.dumps(r['extra'], sort_keys=True)}" if r.get("extra") else "")
+
     cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
-    models = list(dict.fromkeys(r["model"] for r in runs))
+    rows = list(dict.fromkeys(row(r) for r in runs))
     lines = ["| model | params | " + " | ".join(f"L={L}, {p} pairs" for L, p in cols) + " |",
              "|---|---|" + "---|" * len(cols)]
-    for m in models:
+    for m in rows:
         cells = []
         for col in cols:
-            accs = [r["test_acc"] for r in runs if r["model"] == m and (r["seq_len"], r["num_pairs"]) == col]
-            cells.append(f"{sum(accs) / len(accs):.3f}" + (f" (n={len(accs)})" if len(accs) > 1 else "") if accs
-                         else "-")
-        params = next(r["num_params"] for r in runs if r["model"] == m)
+            cell = [r for r in runs if row(r) == m and (r["seq_len"], r["num_pairs"]) == col]
+            best = {}  # seed -> its best run over lrs
+            for r in cell:
+                if r["seed"] not in best or r["test_acc"] > best[r["seed"]]["test_acc"]:
+                    best[r["seed"]] = r
+            accs, lrs = [r["test_acc"] for r in best.values()], sorted({r["lr"] for r in best.values()})
+            text = f"{sum(accs) / len(accs):.3f}" if accs else "-"
+            if len({r["lr"] for r in cell}) > 1:
+                text += " (lr " + ", ".join(f"{lr:g}" for lr in lrs) + ")"
+            cells.append(text + (f" (n={len(accs)})" if len(accs) > 1 else ""))
+        params = next(r["num_params"] for r in runs if row(r) == m)
         lines.append(f"| {m} | {params / 1e3:.0f}k | " + " | ".join(cells) + " |")
     return "\n".join(lines)
