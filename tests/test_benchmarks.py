@@ -47,9 +47,10 @@ def test_train_part_with_any_precision_subset(untimed, precisions, capsys):
     assert (cells[9] == "-") == ("fp32" not in measured)  # the recurrence share is an fp32 measurement
 
 
-def test_generate_part_runs_the_matrix_state_and_a_hybrid(untimed, capsys):
+def test_generate_part_runs_the_matrix_state_and_a_hybrid(untimed, monkeypatch, capsys):
     """Decode rows for the matrix state and a 1:1 hybrid next to bilinear and Llama, each with its cache's bytes:
     the recurrent state's grow with the columns, the hybrid's with the context (its attention layer's keys)."""
+    monkeypatch.setitem(speed.SIZES, "tiny", {**speed.SIZES["tiny"], "num_hidden_layers": 2})
     speed.main(["--parts", "generate", "--sizes", "tiny", "--models", "bilinear-matrix4,hybrid-2", "--contexts",
                 "8,16", "--new-tokens", "2"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
