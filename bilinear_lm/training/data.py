@@ -46,6 +46,11 @@ FORMATS = {".txt": "text", ".raw": "text", ".text": "text", ".txt.gz": "text", "
 EOS_TOKEN = "<|endoftext|>"
 VALIDATION_SPLITS = ("validation", "valid", "val")  # the names a dataset's held-out split goes by
 PACK_ROWS = 100_000  # rows per packing batch: small files pack as one contiguous stream (like nanoGPT)
+# Characters per tokenizing batch: the tokenizer's per-token objects of a batch (ids, offsets, token strings) are
+# ~100 bytes a token, so a batch of whole books (datasets' default, 1,000 rows) held the Gutenberg split at ~45x its
+# tokenized size (3.6 GB peak); batches of about 1M characters keep a tokenizing process within ~2x of it
+# (docs/results.md, "Data at scale").
+TOKENIZE_CHARS = 2 ** 20
 CHUNK = 1 << 20      # bytes per read when checking a file
 
 
@@ -396,9 +401,11 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
             out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS).with_format(None)
             continue
         procs = num_proc or default_num_proc()  # 1: in this process (datasets would start one worker)
-        toks = ds.map(tokenize, batched=True, remove_columns=ds.column_names, features=features,
-                      num_proc=procs if procs > 1 else None, new_fingerprint=Hasher.hash([ds._fingerprint, key]),
-                      desc=f"tokenize {split}")
+        mean_chars = pc.mean(pc.utf8_length(ds.with_format("arrow")["text"])).as_py() or 1
+        rows = max(1, min(1000, int(TOKENIZE_CHARS // mean_chars)))
+        toks = ds.map(tokenize, batched=True, batch_size=rows, writer_batch_size=rows, remove_columns=ds.column_names,
+                      features=features, num_proc=procs if procs > 1 else None,
+                      new_fingerprint=Hasher.hash([ds._fingerprint, key]), desc=f"tokenize {split}")
         n_tokens = int(pc.sum(pc.list_value_length(toks.with_format("arrow")["input_ids"])).as_py() or 0)
         if n_tokens < block_size:
             raise DataError(
