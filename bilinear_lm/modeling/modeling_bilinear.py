@@ -302,13 +302,16 @@ class BilinearAttention(nn.Module):
 
 
 class PreNormBlock(GradientCheckpointingLayer):
-    """What every block shares: the mixing sublayer's norm (``mixer_norm``) and, if the config has an MLP, the
-    pre-norm residual SwiGLU MLP (``mlp_residual``)."""
+    """What every block shares: the mixing sublayer's norm (``mixer_norm``), then its ``mixing`` modules, and, if the
+    config has an MLP, the pre-norm residual SwiGLU MLP (``mlp_residual``). Registered in this order, which sets the
+    order of initialization: a given seed gives the same weights as before hybrids existed."""
 
-    def __init__(self, config: BilinearConfig, layer_idx: int):
+    def __init__(self, config: BilinearConfig, layer_idx: int, **mixing: nn.Module | None):
         super().__init__()
         self.layer_idx = layer_idx
         self.mixer_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
+        for name, module in mixing.items():
+            setattr(self, name, module)
         if config.use_mlp:
             self.mlp_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp = BilinearMLP(config)
@@ -325,9 +328,9 @@ class BilinearBlock(PreNormBlock):
     then ``x + MLP(norm(x))`` if the config has an MLP. Decoding (one position) runs the same code."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.conv = BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None
-        self.mixer = BilinearMixer(config, layer_idx)
+        super().__init__(config, layer_idx,
+                         conv=BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None,
+                         mixer=BilinearMixer(config, layer_idx))
 
     def forward(self, hidden_states, cache=None, mask=None, offset: int = 0, reset=None):
         """``(hidden [B,T,D], cache, mask, offset, reset) -> (hidden, states [B,T,N,S])``: the state and the
@@ -353,8 +356,7 @@ class BilinearAttentionBlock(PreNormBlock):
     """A hybrid's attention layer: ``x + Attention(norm(x))``, then the same MLP as the bilinear blocks."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.attention = BilinearAttention(config, layer_idx)
+        super().__init__(config, layer_idx, attention=BilinearAttention(config, layer_idx))
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
         """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache) -> hidden``."""
