@@ -243,29 +243,6 @@ def test_streaming_perplexity_is_exact_with_sliding_windows_and_refused_with_ful
         ppl.streaming_perplexity(build(hybrid_config(tiny_bilinear_config)), ids, segment_len=7)
 
 
-def test_torch_compile_traces_a_training_step_of_the_hybrid_preset_in_one_graph():
-    """As the tiny preset's test (test_modeling): the hybrid preset's forward and backward trace as one graph and
-    equal eager mode."""
-    import yaml
-
-    from conftest import REPO_ROOT
-
-    model_keys = yaml.safe_load((REPO_ROOT / "bilinear_lm/configs/tiny-hybrid.yaml").read_text())["model"]
-    assert model_keys["layer_types"].count("bilinear") == 3
-    torch.manual_seed(0)
-    model = BilinearForCausalLM(BilinearConfig(vocab_size=512, **model_keys)).train()
-    ids = torch.randint(0, 512, (2, 80))
-    eager = model(input_ids=ids, labels=ids).loss
-    eager.backward()
-    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss
-    compiled.backward()
-    torch.testing.assert_close(compiled, eager)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], msg=name)
-
-
 def test_text_generation_pipeline_batches_with_left_padding(tiny_bilinear_config):
     import copy
 

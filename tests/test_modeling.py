@@ -225,15 +225,19 @@ def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
     assert model(ids).mixer_states is None
 
 
-@pytest.mark.parametrize("changes", [{}, {"write_channel": True, "state_columns": 4}], ids=["pure", "matrix-state"])
-def test_torch_compile_traces_a_training_step_of_the_tiny_preset_in_one_graph(changes):
+@pytest.mark.parametrize("preset,changes", [("tiny", {}), ("tiny", {"write_channel": True, "state_columns": 4}),
+                                            ("tiny-hybrid", {})], ids=["pure", "matrix-state", "hybrid"])
+def test_torch_compile_traces_a_training_step_of_a_preset_in_one_graph(preset, changes):
     """The scans are custom ops with fake implementations: the whole forward and backward trace as one graph
-    (``fullgraph=True`` fails on any graph break), and the compiled step's loss and gradients equal eager mode."""
+    (``fullgraph=True`` fails on any graph break), and the compiled step's loss and gradients equal eager mode; for the
+    tiny preset, its matrix state, and the hybrid preset (3 bilinear layers : 1 attention layer)."""
     import yaml
 
     from conftest import REPO_ROOT
 
-    model_keys = yaml.safe_load((REPO_ROOT / "bilinear_lm/configs/tiny.yaml").read_text())["model"]
+    model_keys = yaml.safe_load((REPO_ROOT / f"bilinear_lm/configs/{preset}.yaml").read_text())["model"]
+    if preset == "tiny-hybrid":
+        assert model_keys["layer_types"].count("bilinear") == 3
     torch.manual_seed(0)
     model = BilinearForCausalLM(BilinearConfig(vocab_size=512, **{**model_keys, **changes})).train()
     ids = torch.randint(0, 512, (2, 80))  # past one normalization boundary (norm_chunk_size 64)
