@@ -273,12 +273,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
                                   ("--models", args.models, TRAIN_MODELS), ("--precisions", args.precisions, PRECISIONS)):
+        sized = ", bilinear-matrixP or hybrid-K" if flag == "--models" else ""
         for value in values:
-            sized = flag == "--models" and re.fullmatch(r"(bilinear-matrix|hybrid-)[1-9]\d*", value)
-            if value not in choices and not sized:
-                parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}, bilinear-matrixP "
-                             "or hybrid-K" if flag == "--models" else f"{flag}: unknown value {value!r}; choose from "
-                             f"{list(choices)}")
+            if value not in choices and not (sized and re.fullmatch(r"(bilinear-matrix|hybrid-)[1-9]\d*", value)):
+                parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}{sized}")
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "

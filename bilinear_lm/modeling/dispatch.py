@@ -41,9 +41,11 @@ def cpu_kernels_available() -> bool:
 def build_kernels(config, device_type: str) -> None:
     """Build now what ``config.recurrence_impl`` will compile on ``device_type`` (the C++ scan on CPU), so that the
     first training step (and its tokens/s) does not pay for the build. A no-op where nothing would be built (only
-    the CP transition without additive input runs a scan)."""
-    if device_type == "cpu" and config.recurrence_impl in ("auto", "cpp") and config.mixer_type == "cp" \
-            and not config.additive_input:
+    the CP transitions, ``CP`` and its subclasses, without additive input run a scan)."""
+    from .transitions import CP, TRANSITIONS  # here: transitions imports this module
+
+    if device_type == "cpu" and config.recurrence_impl in ("auto", "cpp") \
+            and issubclass(TRANSITIONS[config.mixer_type], CP) and not config.additive_input:
         cpu_kernels_available()
 
 

@@ -10,7 +10,8 @@ exactly this (tested against it and against the reference loop). Layout ``[T, N,
   every step. ``keep``: ``[T, B]`` bool, or empty when nothing is padded. ``restart``: ``[T, B]`` bool (or empty):
   step ``t`` of row ``b`` starts from ``p_start[:, b % columns]`` (``p_start``: ``[N, columns, R]``) instead of
   ``p_{t-1}`` (document boundaries; only at unpadded steps). ``columns``: rows per head state (a matrix-valued state:
-  ``recurrence``'s module docstring); the normalization and the guard act on each group of ``columns`` rows together. Returns every ``g_t`` ``[T,N,B,R]``, the inputs ``p`` of every step then the last ``p_T``
+  ``recurrence``'s module docstring); the normalization and the guard act on each group of ``columns`` rows
+  together. Returns every ``g_t`` ``[T,N,B,R]``, the inputs ``p`` of every step then the last ``p_T``
   (``[T+1,N,B,R]``) and ``s_t`` ``[T,N,B,1]``.
 * ``scan_backward(dG, su, MtT, keep, restart, DGT, DP) -> (dp0, dp_start)``: the reverse loop, given ``dL/dg_t`` and
   ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t`` entering step ``t``'s

@@ -85,8 +85,7 @@ class Transition(nn.Module):
         P, S = self.columns, self.state_size
         u = self.column_factors(raw)
         u = u.permute(0, 3, 1, 2, 4).reshape(B * P, T, N, u.shape[-1])  # columns as rows: [B * P, T, N, F]
-        h0 = h0.to(u.dtype).unflatten(-1, (P, S)).transpose(-3, -2)  # [(B,) P, N, S]
-        h0 = h0.reshape(B * P, N, S) if h0.dim() == 4 else h0.repeat(B, 1, 1) if P > 1 else h0[0]
+        h0 = h0.to(u.dtype).unflatten(-1, (P, S)).transpose(-3, -2).expand(B, P, N, S).reshape(B * P, N, S)
         if P > 1:
             mask = None if mask is None else mask.repeat_interleave(P, dim=0)
             reset = None if reset is None else reset.repeat_interleave(P, dim=0)
@@ -113,6 +112,7 @@ class CP(Transition):
         self.factor_size = config.rank
         super().__init__(config)
         N, H, R = config.num_heads, config.state_size, config.rank
+        self.u_rows = R  # projection rows per head for the input factors u; the write channel's rows follow
         self.W1 = nn.Parameter(torch.empty(N, H, R))
         self.W2 = nn.Parameter(torch.empty(N, H, R))
         if config.write_channel:
@@ -125,7 +125,7 @@ class CP(Transition):
 
     def input_init_std(self):
         std = super().input_init_std()
-        std[self.factor_size:] = self.config.initializer_range  # the write channel's rows: plain projections
+        std[self.u_rows:] = self.config.initializer_range  # the write channel's rows: plain projections
         return std
 
     @torch.no_grad()
@@ -139,12 +139,15 @@ class CP(Transition):
         if self.config.coupled_write:  # writes W1 (u * w) start at about the state's unit norm
             init.copy_(self.write_vector, torch.randn(N, R) / math.sqrt(R))
 
+    def input_factors(self, raw):
+        """The first ``u_rows`` projections -> the input factors ``u`` ``[..., factor_size]``."""
+        return super().factors(raw)
+
     def factors(self, raw):
-        R = self.factor_size
-        u = super().factors(raw[..., :R])
+        u = self.input_factors(raw[..., :self.u_rows])
         if not self.config.write_channel:
             return u
-        write = raw[..., R:]  # [b | log gamma] or [log gamma]: factors [u | b | gamma] or [u | gamma]
+        write = raw[..., self.u_rows:]  # [b | log gamma] or [log gamma]: factors [u | b | gamma] or [u | gamma]
         return torch.cat([u, write[..., :-1], write[..., -1:].exp()], dim=-1)
 
     def column_factors(self, raw):
@@ -176,18 +179,15 @@ class Identity(CP):
         del self.W1, self.W2, self.factor_bias
         self.register_buffer("W1", torch.eye(H).expand(N, H, H).clone(), persistent=False)
         self.register_buffer("W2", self.W1.clone(), persistent=False)
-        self.input_size -= self.factor_size  # no rows for u
-        self.factor_size = H
-
-    def input_init_std(self):
-        return torch.full((self.input_size,), self.config.initializer_range)
+        self.input_size -= self.u_rows  # no rows for u
+        self.u_rows, self.factor_size = 0, H
 
     def reset_parameters(self):
         pass
 
-    def factors(self, raw):
-        """``[b | log gamma]`` projections -> ``[u = 1 | b | gamma]``."""
-        return torch.cat([raw.new_ones(*raw.shape[:-1], self.factor_size), raw[..., :-1], raw[..., -1:].exp()], -1)
+    def input_factors(self, raw):
+        """``u = 1``, from no projection rows."""
+        return raw.new_ones(*raw.shape[:-1], self.factor_size)
 
 
 class Full(Transition):
@@ -267,8 +267,8 @@ class PositiveDiagonal(Diagonal):
 
 # mixer_type -> class (the expressivity hierarchy: full > cp > block_diagonal > rotation > diagonal > positive; identity
 # is the ablation of A, linear attention with the write channel).
-TRANSITIONS = {"cp": CP, "identity": Identity, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation, "diagonal": Diagonal,
-               "positive_diagonal": PositiveDiagonal}
+TRANSITIONS = {"cp": CP, "identity": Identity, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation,
+               "diagonal": Diagonal, "positive_diagonal": PositiveDiagonal}
 
 
 def write_channel_weights(W1, W2):

@@ -401,8 +401,7 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
             out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS).with_format(None)
             continue
         procs = num_proc or default_num_proc()  # 1: in this process (datasets would start one worker)
-        mean_chars = pc.mean(pc.utf8_length(ds.with_format("arrow")["text"])).as_py() or 1
-        rows = max(1, min(1000, int(TOKENIZE_CHARS // mean_chars)))
+        rows = max(1, min(1000, TOKENIZE_CHARS * len(ds) // max(1, _n_chars(ds))))  # ~TOKENIZE_CHARS a batch
         toks = ds.map(tokenize, batched=True, batch_size=rows, writer_batch_size=rows, remove_columns=ds.column_names,
                       features=features, num_proc=procs if procs > 1 else None,
                       new_fingerprint=Hasher.hash([ds._fingerprint, key]), desc=f"tokenize {split}")
