@@ -377,7 +377,7 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         main(argv)
     except (TrainingInputError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")  # one write: the lines of a launch's processes never interleave
         return 1
     return 0
 

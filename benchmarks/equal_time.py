@@ -42,17 +42,21 @@ DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mam
 UNTIMED_FLAGS = ("--learning_rate", "--min_lr_ratio", "--warmup_steps", "--weight_decay",
                  "--beta1", "--beta2", "--grad_clip", "--seed", "--model.initializer_range",
                  "--model.input_factor_init_std", "--model.input_factor_multiplier")
-# The text each preset's results in docs/results.md were measured on, where it is not the preset's own (a Hub dataset):
-# passed as --train_file (a run's own --train_file wins).
-LOCAL_TRAIN_FILES = {"tinystories": REPO.parent / "shared" / "data" / "tinystories" / "tinystories_sample.txt"}
+# The data each preset's results in docs/results.md were measured on, where it is not the preset's own (a Hub dataset):
+# passed before a run's own flags (which win).
+SHARED_DATA = REPO.parent / "shared" / "data"
+LOCAL_DATA = {"tinystories": ["--train_file", str(SHARED_DATA / "tinystories" / "tinystories_sample.txt")],
+              "gutenberg": ["--streaming", "false", "--train_file", str(SHARED_DATA / "gutenberg" / "train.jsonl"),
+                            "--validation_file", str(SHARED_DATA / "gutenberg" / "validation.jsonl")]}
 
 
-def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None):
+def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None,
+          eval_iters: int = 0):
     """One train.py run; returns its metrics records. A finished run in out_dir (its final save) is reused."""
     if not (out_dir / "config.json").exists():
-        local = ["--train_file", str(LOCAL_TRAIN_FILES[preset.stem])] if preset.stem in LOCAL_TRAIN_FILES else []
+        local = LOCAL_DATA.get(preset.stem, [])
         cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(preset), *local, "--output_dir", str(out_dir),
-               "--max_steps", str(max_steps), "--eval_interval", str(eval_interval), "--eval_iters", "0",
+               "--max_steps", str(max_steps), "--eval_interval", str(eval_interval), "--eval_iters", str(eval_iters),
                "--save_interval", "0", "--sample_tokens", "0", *overrides]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=env)
@@ -102,6 +106,7 @@ def main(argv=None) -> int:
                         "calibration (a machine busy with other work then changes no result)")
     parser.add_argument("--seeds", default="1337", help="train.py --seed values; every budget runs every seed")
     parser.add_argument("--evals", type=int, default=8, help="validation points per run (for the plot)")
+    parser.add_argument("--eval-iters", type=int, default=0, help="validation batches per point (0 = the whole split)")
     parser.add_argument("--calibration-steps", type=int, default=60, help="steps of the step-time calibration run")
     parser.add_argument("--log-interval", type=int, default=10, help="train.py log interval (>= 2 logs in calibration)")
     parser.add_argument("--jobs", type=int, default=1, help="training runs at a time (one thread each when > 1)")
@@ -144,7 +149,7 @@ def main(argv=None) -> int:
                     jobs.append((label, budget, seed, steps, [*extra, "--seed", str(seed)]))
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             results = list(pool.map(lambda j: train(preset, work / f"{j[0]}-{j[1]}-seed{j[2]}", j[3],
-                                                    max(1, j[3] // args.evals), j[4], threads), jobs))
+                                                    max(1, j[3] // args.evals), j[4], threads, args.eval_iters), jobs))
         losses = {}
         for (label, budget, seed, steps, _), records in zip(jobs, results):
             evals = [r for r in records if "val_loss" in r]
@@ -177,7 +182,8 @@ def main(argv=None) -> int:
     runs_note = "; ".join(f"{label}: `{' '.join(o) or '(preset)'}`" for label, o in runs)
     how = ("Each budget is a separate run of `budget / calibrated step time` steps whose cosine schedule ends there"
            if args.steps is None else f"Every run trains {args.steps} steps (equal data, not equal time)")
-    note = f"Preset `{args.preset}`; seeds {seeds}. {how}; validation = the whole held-out split. Runs: {runs_note}."
+    scored = "the whole held-out split" if not args.eval_iters else f"its first {args.eval_iters} batches"
+    note = f"Preset `{args.preset}`; seeds {seeds}. {how}; validation = {scored}. Runs: {runs_note}."
     table = "\n".join(lines + ["", note])
     print("\n" + table)
     if args.plot:

@@ -109,7 +109,7 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     the same number of steps), another for a different model; a fake train.py records every call."""
     calls = []
 
-    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads):
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0):
         calls.append((out_dir.name, max_steps, overrides))
         if max_steps == 30:  # a calibration: 0.5 s a step for the bilinear model, 0.25 s for llama
             step_s = 0.25 if "llama" in overrides else 0.5
@@ -152,18 +152,22 @@ def test_loss_by_position_counts_from_the_last_eos():
     torch.testing.assert_close(losses, torch.full((2,), math.log(10), dtype=torch.float64))
 
 
-def test_equal_time_trains_the_tinystories_preset_on_the_local_sample(monkeypatch, tmp_path):
-    """The tinystories preset names a Hub dataset; equal_time.py passes the local sample its RESULTS.md numbers were
-    measured on (a run's own --train_file comes later, so it wins); other presets keep their own data."""
+def test_equal_time_trains_the_hub_presets_on_the_local_data(monkeypatch, tmp_path):
+    """The tinystories and gutenberg presets name Hub datasets; equal_time.py passes the local data their results
+    were measured on (a run's own flags come later, so they win); other presets keep their own data."""
     commands = []
     monkeypatch.setattr(equal_time.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd))
     (tmp_path / "metrics.jsonl").write_text("")
-    for preset in ("tinystories", "shakespeare-char"):
+    for preset in ("tinystories", "gutenberg", "shakespeare-char"):
         equal_time.train(equal_time.PRESETS / f"{preset}.yaml", tmp_path, 5, 1, ["--seed", "1"], None)
-    sample = str(equal_time.REPO.parent / "shared" / "data" / "tinystories" / "tinystories_sample.txt")
-    assert commands[0][commands[0].index("--train_file") + 1] == sample
+    data = equal_time.REPO.parent / "shared" / "data"
+    flag = lambda cmd, name: cmd[cmd.index(name) + 1]
+    assert flag(commands[0], "--train_file") == str(data / "tinystories" / "tinystories_sample.txt")
     assert commands[0].index("--train_file") < commands[0].index("--seed")
-    assert "--train_file" not in commands[1]
+    assert flag(commands[1], "--train_file") == str(data / "gutenberg" / "train.jsonl")
+    assert flag(commands[1], "--validation_file") == str(data / "gutenberg" / "validation.jsonl")
+    assert flag(commands[1], "--streaming") == "false"
+    assert "--train_file" not in commands[2]
 
 
 def test_data_scale_measures_each_step_and_prints_a_row_per_num_proc(monkeypatch, tmp_path, capsys):
@@ -185,3 +189,26 @@ def test_data_scale_measures_each_step_and_prints_a_row_per_num_proc(monkeypatch
     out = capsys.readouterr().out
     assert "BPE training (once, on the training split)" in out and "\n| 1 | " in out and "\n| 2 | " in out
     assert (tmp_path / "table.md").read_text().strip() == out.strip()
+
+
+def test_loss_by_book_position_streams_a_recurrent_model_and_windows_attention(tiny_bilinear_config):
+    """Each book one stream: the bins' losses times their counts add up to the protocol's total NLL (bilinear:
+    streaming; Llama, whose KV cache grows: strided windows of the training length), counts by position in closed form."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bilinear_lm import BilinearForCausalLM
+    from bilinear_lm.evaluation import perplexity as ppl
+
+    torch.manual_seed(0)
+    books = [torch.randint(0, 67, (n,)) for n in (30, 12)]
+    edges = [1, 4, 16, 64]
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=67, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    for model, protocol, total in (
+            (BilinearForCausalLM(tiny_bilinear_config), "streaming",
+             lambda m, ids: ppl.streaming_perplexity(m, ids, segment_len=8)[0]),
+            (llama, "strided 8/4", lambda m, ids: ppl.strided_perplexity(m, ids, max_length=8, stride=4)[0])):
+        losses, counts, used = loss_by_position.loss_by_book_position(model.eval(), books, edges, window=8)
+        assert used == protocol
+        assert counts.tolist() == [3 + 3, 12 + 8, 29 - 15]  # targets 1..29 and 1..11 by position
+        torch.testing.assert_close((losses * counts).sum().item(), sum(total(model, ids) for ids in books))

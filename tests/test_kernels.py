@@ -47,9 +47,9 @@ def test_the_environment_switch_disables_the_build(fresh_loader, monkeypatch):
     assert cpu.load() is None and fresh_loader == []
     monkeypatch.setattr(dispatch, "cpu_kernels_available", lambda: cpu.load() is not None)
     u = torch.ones(1, 5, 2, 3)
-    assert dispatch.resolve_impl("auto", u, 3) == "torch"
+    assert dispatch.resolve_impl("auto", u, 3, 3) == "torch"
     with pytest.raises(RuntimeError, match=f"recurrence_impl='cpp' needs .*{cpu.DISABLE_ENV}=1"):
-        dispatch.resolve_impl("cpp", u, 3)
+        dispatch.resolve_impl("cpp", u, 3, 3)
 
 
 def test_the_cache_key_covers_compiler_and_ninja(monkeypatch):

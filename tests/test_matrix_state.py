@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling.dispatch import cp_recurrence, recurrence
 from bilinear_lm.modeling.modeling_bilinear import BilinearMixer
-from bilinear_lm.modeling.recurrence import CPTransition, cp_transition, reference_recurrence, reference_step
+from bilinear_lm.modeling.recurrence import CPTransition, CPWriteTransition, cp_transition, reference_recurrence, \
+    reference_step
 
 IMPLS = ["reference", "torch", "cpp"]
 
@@ -125,27 +126,64 @@ def test_column_scans_equal_the_reference_loop_with_every_gradient(impl):
         assert relative_error(got, want) < 1e-10, name
 
 
+def write_case(P=4, **kw):
+    """:func:`column_case` with the write channel: factors ``[u | v | gamma]`` (``v``: each column's write), states
+    ``[h; c]``."""
+    u, W1, W2, h0, h_start, mask, reset = column_case(P=P, **kw)
+    g = torch.Generator().manual_seed(6)
+    extend = lambda x, *extra: torch.cat([x.detach(), *extra], dim=-1).requires_grad_()
+    f = extend(u, torch.randn(*u.shape[:-1], W1.shape[1], generator=g, dtype=u.dtype),
+               torch.rand(*u.shape[:-1], 1, generator=g, dtype=u.dtype) + 0.5)
+    h0 = extend(h0, torch.rand(*h0.shape[:-1], 1, generator=g, dtype=u.dtype) + 0.5)
+    h_start = extend(h_start, torch.rand(*h_start.shape[:-1], 1, generator=g, dtype=u.dtype) + 0.5)
+    return f, W1, W2, h0, h_start, mask, reset
+
+
+@pytest.mark.parametrize("P", [1, 4])
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+def test_write_scans_equal_the_reference_loop_with_every_gradient(impl, P):
+    """The write as the scans' extra rank-space coordinate against the loop over ``[h; c]``, and that loop against
+    the same map as CP factors of rank ``R + H + 1`` (``as_cp``: what the Triton scan and decoding run)."""
+    f, W1, W2, h0, h_start, mask, reset = write_case(P=P)
+    inputs = [f, W1, W2, h0, h_start]
+    results = [cp_recurrence(f, W1, W2, h0, mask, 4, 1, i, reset, h_start, P, write=True) for i in (impl, "reference")]
+    results.append(reference_recurrence(CPWriteTransition(W1, W2).as_cp(), f, h0, mask, 4, 1, reset=reset,
+                                        h_start=h_start.repeat(3, 1, 1), columns=P))
+    weights = torch.randn_like(results[0][0])
+    grads = [torch.autograd.grad((s * weights).sum() + f.sum(), inputs) for s, f in results]
+    for k in (0, 2):
+        assert relative_error(results[k][0], results[1][0]) < 1e-11
+        for name, got, want in zip(["f", "W1", "W2", "h0", "h_start"], grads[k], grads[1]):
+            assert relative_error(got, want) < 1e-10, name
+
+
+@pytest.mark.parametrize("write", [False, True])
 @pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
-def test_the_guard_keeps_a_heads_columns_in_proportion(impl):
+def test_the_guard_keeps_a_heads_columns_in_proportion(impl, write):
     """A transition growing 10^4-fold per step: the guard renormalizes a head's columns together, so the per-head
     unit state equals the unguarded fp64 run's (no chunked normalization at all: 1e4^30 squared stays in fp64's range)."""
-    u, W1, W2, h0, h_start, mask, reset = column_case(T=30, growth=1e4)
-    guarded, _ = cp_recurrence(u.float(), W1.float(), W2.float(), h0.float(), mask, 64, 0, impl, columns=4)
-    exact, _ = reference_recurrence(partial(cp_transition, W1=W1, W2=W2), u, h0, mask, 0, 0, columns=4)
+    u, W1, W2, h0, h_start, mask, reset = (write_case if write else column_case)(T=30, growth=1e4)
+    guarded, _ = cp_recurrence(u.float(), W1.float(), W2.float(), h0.float(), mask, 64, 0, impl, columns=4,
+                               write=write)
+    exact, _ = reference_recurrence((CPWriteTransition if write else CPTransition)(W1, W2), u, h0, mask, 0, 0,
+                                    columns=4)
     assert torch.isfinite(guarded).all()
     assert relative_error(unit_per_head(guarded.double(), 4), unit_per_head(exact, 4)) < 1e-4
 
 
-def test_the_decoding_step_of_columns_equals_the_reference_step():
-    """One position without gradients (the compiled ``cp_step`` where it builds) against ``reference_step``, at a
-    boundary, with the guard, a padded row and a restart."""
-    u, W1, W2, h0, h_start, mask, reset = (t.detach() for t in column_case(T=1))  # restarts at the first position of row 2
+@pytest.mark.parametrize("write", [False, True])
+def test_the_decoding_step_of_columns_equals_the_reference_step(write):
+    """One position without gradients (the compiled ``cp_step`` where it builds; the write channel as CP factors
+    there) against ``reference_step``, at a boundary, with the guard, a padded row and a restart."""
+    case = write_case(T=1) if write else column_case(T=1)  # restarts at the first position of row 2
+    u, W1, W2, h0, h_start, mask, reset = (t.detach() for t in case)
+    transition = (CPWriteTransition if write else CPTransition)(W1, W2)
     h0[8:] *= 1e14  # the third row's columns leave the safe range together
     for boundary_offset in (0, 3):  # chunk 4: offset 3 ends a chunk
         with torch.no_grad():
-            got, _ = recurrence(CPTransition(W1, W2), u, h0, mask, 4, boundary_offset, "auto", reset=reset,
-                                h_start=h_start, columns=4)
-            want = reference_step(CPTransition(W1, W2), u[:, 0], h0, mask[:, 0], boundary_offset == 3, True,
+            got, _ = recurrence(transition, u, h0, mask, 4, boundary_offset, "auto", reset=reset, h_start=h_start,
+                                columns=4)
+            want = reference_step(transition, u[:, 0], h0, mask[:, 0], boundary_offset == 3, True,
                                   reset_t=reset[:, 0], h_start=h_start.repeat(3, 1, 1), columns=4)
         torch.testing.assert_close(got[:, 0], want, rtol=1e-12, atol=1e-12)
 

@@ -47,15 +47,16 @@ def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, 
         restart &= keep
     p_start = torch.randn(N, columns, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns)
-    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns)
+    none = u.new_empty(0)  # no write coordinate
+    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns, none, none)
+    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns, none, none)
     for name, a, b in zip("GPS", got, expected):
         assert relative_error(a, b) < tol, name
     dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
     MtT = Mt.transpose(1, 2).contiguous()
     filled = [[torch.empty_like(u), torch.empty_like(u)] for _ in range(2)]
-    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0]), *filled[0]]
-    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1]), *filled[1]]
+    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0], none), *filled[0]]
+    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1], none), *filled[1]]
     for name, a, b in zip(["dp0", "dp_start", "DGT", "DP"], got, expected):
         assert relative_error(a, b) < tol, name
 
@@ -80,6 +81,26 @@ def test_triton_recurrence_equals_the_reference_loop_with_every_gradient():
     grads = [torch.autograd.grad((s * weights).sum() + f.sum(), inputs) for s, f in results]
     assert relative_error(results[0][0], results[1][0]) < 1e-11
     for name, got, want in zip(["u", "W1", "W2", "h0", "h_start"], *grads):
+        assert relative_error(got, want) < 1e-10, name
+
+
+def test_triton_runs_the_write_channel_as_cp_factors():
+    """The write channel on the Triton path (as CP factors of rank ``R + H + 1``) against the loop over ``[h; c]``."""
+    B, T, N, H, R = 2, 19, 2, 5, 7
+    g = torch.Generator().manual_seed(1)
+    f = torch.cat([1 + 0.5 * torch.randn(B, T, N, R, generator=g, dtype=torch.float64),
+                   torch.randn(B, T, N, H, generator=g, dtype=torch.float64),
+                   torch.rand(B, T, N, 1, generator=g, dtype=torch.float64) + 0.5], dim=-1).requires_grad_()
+    W1 = torch.randn(N, H, R, generator=g, dtype=torch.float64).div(R ** 0.5).requires_grad_()
+    W2 = torch.randn(N, H, R, generator=g, dtype=torch.float64).div(H ** 0.5).requires_grad_()
+    h0 = torch.randn(N, H + 1, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :4] = 0
+    results = [cp_recurrence(f, W1, W2, h0, mask, 8, 3, impl, write=True) for impl in ("triton", "reference")]
+    weights = torch.randn_like(results[0][0])
+    grads = [torch.autograd.grad((s * weights).sum(), [f, W1, W2, h0]) for s, _ in results]
+    assert relative_error(results[0][0], results[1][0]) < 1e-11
+    for name, got, want in zip(["f", "W1", "W2", "h0"], *grads):
         assert relative_error(got, want) < 1e-10, name
 
 

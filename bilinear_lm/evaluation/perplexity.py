@@ -46,6 +46,7 @@ __all__ = [
     "streaming_perplexity",
     "strided_perplexity",
     "rolling_perplexity",
+    "token_nll",
     "encode_text",
     "text_stats",
     "perplexity_metrics",
@@ -90,12 +91,12 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    """Sum of -log p(target) (log-softmax in >= float32; float64 logits stay float64) -> python float."""
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) of every target, float64 on the CPU (log-softmax in >= float32; float64 logits stay float64)."""
     logits = logits.reshape(-1, logits.shape[-1])
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
-    return float(F.cross_entropy(logits, targets.reshape(-1).to(logits.device), reduction="sum").double())
+    return F.cross_entropy(logits, targets.reshape(-1).to(logits.device), reduction="none").double().cpu()
 
 
 def cache_kind(model, cache) -> str:
@@ -120,7 +121,10 @@ def cache_kind(model, cache) -> str:
 
 
 # ----------------------------------------------------------------------------- protocols
-@torch.inference_mode()
+def _summed(token_nll: torch.Tensor) -> tuple[float, int]:
+    return float(token_nll.sum()), token_nll.numel()
+
+
 def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cache: bool = False):
     """Exact NLL of ``input_ids[1:]`` given everything before, streaming segments and carrying the
     model's recurrent state. Returns ``(total_nll, n_tokens)`` with ``n_tokens = len(input_ids) - 1``.
@@ -128,11 +132,49 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
     Raises ValueError for models that return no cache, or an attention KV cache (which grows with the
     text and is limited by the position range) unless ``allow_kv_cache=True``; use
     :func:`strided_perplexity` (``--mode strided``) for those."""
-    ids = _model_ids(model, input_ids)
+    return _summed(token_nll(model, input_ids, "streaming", segment_len=segment_len, allow_kv_cache=allow_kv_cache))
+
+
+def strided_perplexity(model, input_ids, max_length: int = 1024, stride: int = 512):
+    """NLL with the strided sliding-window protocol of the HF perplexity guide: windows
+    ``ids[begin:begin+max_length]`` for ``begin = 0, stride, 2*stride, ...``; each window scores only the
+    tokens not scored before (the last ``stride`` tokens, all but the first for the first window).
+    Returns ``(total_nll, n_tokens)``, ``n_tokens = len(input_ids) - 1``.
+
+    ``stride = max_length - 1`` gives disjoint windows equivalent to lm-eval's rolling loglikelihood
+    with ``max_length - 1``; ``max_length >= len(input_ids)`` is one full forward pass."""
+    return _summed(token_nll(model, input_ids, "strided", max_length=max_length, stride=stride))
+
+
+def rolling_perplexity(model, input_ids, max_length: int = 2048):
+    """NLL with lm-eval-harness's ``loglikelihood_rolling`` windows (HFLM, context_len=1): disjoint
+    windows each predicting ``max_length`` tokens from ``max_length`` inputs; the last, partial window
+    is left-extended to ``max_length`` inputs (more context, only its new tokens scored). With the
+    prefix token at ``input_ids[0]`` this reproduces lm-eval's per-document number exactly.
+    Returns ``(total_nll, n_tokens)``."""
+    return _summed(token_nll(model, input_ids, "rolling", max_length=max_length))
+
+
+def token_nll(model, input_ids, mode: str = "streaming", segment_len: int = 512, max_length: int = 1024,
+              stride: int = 512, allow_kv_cache: bool = False) -> torch.Tensor:
+    """``-log p(input_ids[i] | before)`` for every ``i >= 1`` (float64, ``[len(input_ids) - 1]``) under the
+    protocol ``mode`` (``streaming``, ``strided`` or ``rolling``; the arguments of the functions above): e.g. the
+    loss by position within long documents (``benchmarks/loss_by_position.py --books``)."""
+    protocols = {"streaming": lambda ids: _streaming(model, ids, segment_len, allow_kv_cache),
+                 "strided": lambda ids: _strided(model, ids, max_length, stride),
+                 "rolling": lambda ids: _rolling(model, ids, max_length)}
+    if mode not in protocols:
+        raise ValueError(f"mode must be one of {sorted(protocols)}, got {mode!r}")
+    nlls = protocols[mode](_model_ids(model, input_ids))
+    return torch.cat(nlls) if nlls else torch.zeros(0, dtype=torch.float64)
+
+
+@torch.inference_mode()
+def _streaming(model, ids, segment_len: int, allow_kv_cache: bool) -> list[torch.Tensor]:
     if segment_len < 1:
         raise ValueError(f"segment_len must be >= 1, got {segment_len}")
     with eval_mode(model):
-        total, count, past = 0.0, 0, None
+        nlls, past = [], None
         n_in = ids.numel() - 1  # inputs ids[0:n_in] predict ids[1:n_in+1]
         for start in range(0, n_in, segment_len):
             end = min(start + segment_len, n_in)
@@ -140,8 +182,7 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
             if past is not None:
                 kwargs["past_key_values"] = past
             out = model(input_ids=ids[start:end].unsqueeze(0), **kwargs)
-            total += _nll_sum(out.logits[0], ids[start + 1 : end + 1])
-            count += end - start
+            nlls.append(_nll(out.logits[0], ids[start + 1 : end + 1]))
             past = getattr(out, "past_key_values", None)
             if end < n_in:
                 kind = cache_kind(model, past)
@@ -154,26 +195,18 @@ def streaming_perplexity(model, input_ids, segment_len: int = 512, allow_kv_cach
                         f"{type(model).__name__} has a full-attention KV cache, not a fixed-size state: streaming "
                         "would grow memory with the text and exceed the position range; use --mode strided "
                         "(strided_perplexity) for this model")
-        return total, count
+        return nlls
 
 
 @torch.inference_mode()
-def strided_perplexity(model, input_ids, max_length: int = 1024, stride: int = 512):
-    """NLL with the strided sliding-window protocol of the HF perplexity guide: windows
-    ``ids[begin:begin+max_length]`` for ``begin = 0, stride, 2*stride, ...``; each window scores only the
-    tokens not scored before (the last ``stride`` tokens, all but the first for the first window).
-    Returns ``(total_nll, n_tokens)``, ``n_tokens = len(input_ids) - 1``.
-
-    ``stride = max_length - 1`` gives disjoint windows equivalent to lm-eval's rolling loglikelihood
-    with ``max_length - 1``; ``max_length >= len(input_ids)`` is one full forward pass."""
-    ids = _model_ids(model, input_ids)
+def _strided(model, ids, max_length: int, stride: int) -> list[torch.Tensor]:
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     if not 1 <= stride <= max_length - 1:
         raise ValueError(f"stride must be in [1, max_length - 1] = [1, {max_length - 1}], got {stride}")
     with eval_mode(model):
         seq_len = ids.numel()
-        total, count, prev_end = 0.0, 0, 1  # ids[0] (prefix) is never scored
+        nlls, prev_end = [], 1  # ids[0] (prefix) is never scored
         for begin in range(0, seq_len, stride):
             end = min(begin + max_length, seq_len)
             if end <= prev_end:
@@ -181,34 +214,26 @@ def strided_perplexity(model, input_ids, max_length: int = 1024, stride: int = 5
             out = model(input_ids=ids[begin:end].unsqueeze(0), use_cache=False)
             # logits[j] predicts ids[begin + j + 1]; score targets ids[prev_end:end]
             first = prev_end - begin - 1
-            total += _nll_sum(out.logits[0, first : end - begin - 1], ids[prev_end:end])
-            count += end - prev_end
+            nlls.append(_nll(out.logits[0, first : end - begin - 1], ids[prev_end:end]))
             prev_end = end
             if end == seq_len:
                 break
-        return total, count
+        return nlls
 
 
 @torch.inference_mode()
-def rolling_perplexity(model, input_ids, max_length: int = 2048):
-    """NLL with lm-eval-harness's ``loglikelihood_rolling`` windows (HFLM, context_len=1): disjoint
-    windows each predicting ``max_length`` tokens from ``max_length`` inputs; the last, partial window
-    is left-extended to ``max_length`` inputs (more context, only its new tokens scored). With the
-    prefix token at ``input_ids[0]`` this reproduces lm-eval's per-document number exactly.
-    Returns ``(total_nll, n_tokens)``."""
-    ids = _model_ids(model, input_ids)
+def _rolling(model, ids, max_length: int) -> list[torch.Tensor]:
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     with eval_mode(model):
         seq_len = ids.numel()
-        total, count = 0.0, 0
+        nlls = []
         for s in range(1, seq_len, max_length):  # targets ids[s:e]
             e = min(s + max_length, seq_len)
             begin = max(0, e - 1 - max_length)
             out = model(input_ids=ids[begin : e - 1].unsqueeze(0), use_cache=False)
-            total += _nll_sum(out.logits[0, s - 1 - begin :], ids[s:e])
-            count += e - s
-        return total, count
+            nlls.append(_nll(out.logits[0, s - 1 - begin :], ids[s:e]))
+        return nlls
 
 
 # ----------------------------------------------------------------------------- text side

@@ -61,8 +61,7 @@ class BilinearConfig(PreTrainedConfig):
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
     with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
     `coupled_write=True` (with the write channel) makes the write reuse the transition's input factors,
-    `b(x) = W1 (u(x) * w)` with a learned `w`: the augmented transition then has rank `rank + 1` instead of
-    `rank + state_size + 1`, so it costs about what the pure model does.
+    `b(x) = W1 (u(x) * w)` with a learned `w` (no write projection; the scans run either write at rank `rank + 1`).
     `state_columns = P > 1` makes each head's state a matrix of `P` columns, each transformed by `A(x)`, read out by
     a query, `y = StateNorm(S q(x))` (`P * state_size` floats per head; a power of two). With the write channel the
     write is a key-value outer product through the homogeneous coordinate, `S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`,

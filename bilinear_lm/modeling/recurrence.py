@@ -53,6 +53,42 @@ class CPTransition:
         return cp_transition(h, u_t, self.W1, self.W2)
 
 
+def cp_write_transition(h, f_t, W1, W2):
+    """The write channel: ``[h; c] -> [A(x_t) h + v_t c; gamma_t c]`` with ``A(x_t) h = cp_transition(h, u_t, W1, W2)``
+    and ``f_t = [u_t | v_t | gamma_t]`` (``[B, N, R + H + 1]``), on states ``[B, N, H + 1]``: linear and homogeneous in
+    ``[h; c]``, yet ``v_t c`` writes like an additive input, forgotten at the rate ``gamma`` relative to ``A``."""
+    H, R = W1.shape[1:]
+    u, v, gamma = f_t.split([R, H, 1], dim=-1)
+    x, c = h[..., :H], h[..., H:]
+    return torch.cat([cp_transition(x, u, W1, W2) + v * c, gamma * c], dim=-1)
+
+
+@dataclass(frozen=True)
+class CPWriteTransition:
+    """The CP transition with the write channel, weights bound: ``CPWriteTransition(W1, W2)(h, f_t) =
+    cp_write_transition(h, f_t, W1, W2)``. The rank-space scans run it with the write as one more coordinate
+    (``dispatch.cp_recurrence``); :meth:`as_cp` is the same map as a plain CP transition of rank ``R + H + 1``."""
+
+    W1: torch.Tensor
+    W2: torch.Tensor
+
+    def __call__(self, h, f_t):
+        return cp_write_transition(h, f_t, self.W1, self.W2)
+
+    def as_cp(self) -> CPTransition:
+        """The same map as ``CPTransition(W1', W2')`` with ``W1', W2': [N, H + 1, R + H + 1]``: with factors
+        ``[u | v | gamma]``, ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + v c; gamma c]`` (what the Triton scan and
+        the compiled decoding step run)."""
+        W1, W2 = self.W1, self.W2
+        N, H, R = W1.shape
+        eye, zeros = torch.eye(H, dtype=W1.dtype, device=W1.device).expand(N, H, H), W1.new_zeros(N, H, H + 1)
+        top1 = torch.cat([W1, eye, W1.new_zeros(N, H, 1)], dim=-1)
+        bottom1 = torch.cat([W1.new_zeros(N, 1, R + H), W1.new_ones(N, 1, 1)], dim=-1)
+        top2 = torch.cat([W2, zeros], dim=-1)
+        bottom2 = torch.cat([W2.new_zeros(N, 1, R), W2.new_ones(N, 1, H + 1)], dim=-1)
+        return CPTransition(torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1))
+
+
 def full_transition(h, u_t, W):
     """``A(x_t) h = sum_k u_k W_k h`` with ``W: [N, H, H, K]`` and ``u_t: [B, N, K]``.
 

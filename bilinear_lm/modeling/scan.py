@@ -3,7 +3,7 @@
 The same two entry points as the C++ kernel (``bilinear_lm/kernels/cpu/scan.cpp``) and the Triton kernel (``scan_triton``), which compute
 exactly this (tested against it and against the reference loop). Layout ``[T, N, B, R]`` (time, heads, batch, rank):
 
-* ``scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns) -> (G, P, S)`` runs
+* ``scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns, write, v) -> (G, P, S)`` runs
   ``g_t = s_t u_t p_{t-1}``, ``p_t = g_t Mt`` (``p_t = p_{t-1}`` where padded), with ``Mt = (W2^T W1)^T``,
   ``p_t = W2^T h_t`` and ``h_t = W1 g_t``. ``s_t`` is the detached factor that normalizes ``h_t`` at chunk boundaries
   (1 elsewhere); a segment whose ``g`` leaves the safe range is recomputed for those (head, row) pairs normalizing
@@ -13,10 +13,17 @@ exactly this (tested against it and against the reference loop). Layout ``[T, N,
   ``recurrence``'s module docstring); the normalization and the guard act on each group of ``columns`` rows
   together. Returns every ``g_t`` ``[T,N,B,R]``, the inputs ``p`` of every step then the last ``p_T``
   (``[T+1,N,B,R]``) and ``s_t`` ``[T,N,B,1]``.
-* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP) -> (dp0, dp_start)``: the reverse loop, given ``dL/dg_t`` and
-  ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t`` entering step ``t``'s
-  matmul, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row (``[N, B, R]``).
-  The gradients of ``u`` and ``Mt`` follow from them in bulk (``dispatch``).
+* The write channel (``recurrence.CPWriteTransition``; ``write`` and ``v`` empty without it) is one more rank-space
+  coordinate, the last: ``p = [W2^T h; c]``, ``u_t = [u_t; 1]`` (so ``g_t = s_t [u_t * W2^T h_{t-1}; c_{t-1}]``), ``Mt``
+  and ``W1`` zero in that row and column, and each step adds the write, ``p_t = g_t Mt + e_t write_t`` with
+  ``e_t = g_t[-1]`` and ``write_t = [W2^T v_t; gamma_t]`` (``[T,N,B,R]``): ``h_t = W1 g_t + v_t e_t``,
+  ``c_t = gamma_t e_t``. ``v``: ``[T,N,B,H]``, read for the norm of ``[h_t; c_t]`` at normalizations only. The cost
+  per step stays about the pure scan's, instead of the rank ``R + H + 1`` of the write as a CP factor
+  (``CPWriteTransition.as_cp``).
+* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP, write) -> (dp0, dp_start)``: the reverse loop, given
+  ``dL/dg_t`` and ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t``
+  leaving step ``t``, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row
+  (``[N, B, R]``). The gradients of ``u``, ``Mt`` and ``write`` follow from them in bulk (``dispatch``).
 """
 
 import torch
@@ -24,7 +31,7 @@ import torch
 from .recurrence import in_safe_range, is_boundary, scale_at_boundary, segments
 
 
-def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start, columns: int):
+def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start, columns: int, write, v):
     """The scan's forward loop (see the module docstring)."""
     T, B = u.shape[0], u.shape[2]
     G = torch.empty_like(u)
@@ -42,9 +49,15 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
             g = torch.mul(u[t], P[t], out=G[t])
             keep_t = None if keep4 is None else keep4[t]
             if every_step or is_boundary(chunk, offset, t):
-                S[t] = scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t, columns, rows_dim=-2)
+                h = torch.einsum("nhr,nbr->nbh", W1, g)
+                if write.numel():  # [h; c] = [W1 g + v e; gamma e]
+                    e = g[..., -1:]
+                    h = torch.cat([h + v[t] * e, write[t][..., -1:] * e], dim=-1)
+                S[t] = scale_at_boundary(h, keep_t, columns, rows_dim=-2)
                 g.mul_(S[t])
             torch.bmm(g, Mt, out=P[t + 1])
+            if write.numel():
+                P[t + 1].addcmul_(g[..., -1:], write[t])
             if keep_t is not None:
                 torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
 
@@ -61,21 +74,18 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
     return G, P, S
 
 
-def scan_backward(dG, su, MtT, keep, restart, DGT, DP):
+def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
     """The scan's backward loop (see the module docstring): fills ``DGT`` and ``DP``, returns ``(dp0, dp_start)``."""
     keep4 = keep[:, None, :, None] if keep.numel() else None
     restart4 = restart[:, None, :, None] if restart.numel() else None
     dp = torch.zeros_like(su[0])
     dp_start = torch.zeros_like(su[0])
     for t in range(su.shape[0] - 1, -1, -1):
-        if keep4 is None:
-            DP[t] = dp
-            torch.baddbmm(dG[t], dp, MtT, out=DGT[t])
-            dp = su[t] * DGT[t]
-        else:
-            DP[t] = torch.where(keep4[t], dp, 0.0)
-            torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-            dp = su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
+        DP[t] = dp if keep4 is None else torch.where(keep4[t], dp, 0.0)
+        torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
+        if write.numel():  # e_t = g_t[-1] wrote e_t write_t into p_t
+            DGT[t][..., -1:] += (write[t] * DP[t]).sum(-1, keepdim=True)
+        dp = su[t] * DGT[t] if keep4 is None else su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
         if restart4 is not None:  # this step's input was p_start, not the previous step's output
             dp_start += torch.where(restart4[t], dp, 0.0)
             dp = torch.where(restart4[t], 0.0, dp)

@@ -184,8 +184,15 @@ if triton is not None:
         tl.store(dps_ptr + out, dps, mask=tile_ok)
 
 
-def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start, columns: int):
-    """The scan's forward (``scan.scan_forward``'s signature and results)."""
+def _no_write(write):
+    if write.numel():
+        raise NotImplementedError("the Triton scan has no write coordinate: dispatch.cp_recurrence runs the write "
+                                  "channel there as CP factors (CPWriteTransition.as_cp)")
+
+
+def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start, columns: int, write, v):
+    """The scan's forward (``scan.scan_forward``'s signature and results), without the write coordinate."""
+    _no_write(write)
     T, N, B, R = u.shape
     H = W1.shape[1]
     rows = block_rows(columns)
@@ -201,8 +208,9 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
     return G, P, S
 
 
-def scan_backward(dG, su, MtT, keep, restart, DGT, DP):
-    """The scan's reverse loop (``scan.scan_backward``'s signature and results)."""
+def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
+    """The scan's reverse loop (``scan.scan_backward``'s signature and results), without the write coordinate."""
+    _no_write(write)
     T, N, B, R = su.shape
     dp0, dp_start = su.new_empty(N, B, R), su.new_empty(N, B, R)
     dummy = su.new_empty(1, dtype=torch.int8)

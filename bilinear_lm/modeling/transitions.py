@@ -21,8 +21,8 @@ from torch import nn
 from transformers import initialization as init
 
 from .dispatch import recurrence
-from .recurrence import CPTransition, block_diagonal_transition, diagonal_transition, full_transition, \
-    rotation_transition
+from .recurrence import CPTransition, CPWriteTransition, block_diagonal_transition, diagonal_transition, \
+    full_transition, rotation_transition
 
 
 class Transition(nn.Module):
@@ -101,8 +101,9 @@ class CP(Transition):
 
     ``W1 = W2 = Q`` with orthonormal columns at init, so ``M = W2^T W1 = I``. With ``write_channel`` each head has
     one more state coordinate ``c``: ``[h; c] -> [[A(x), b(x)], [0, gamma(x)]] [h; c]`` (``gamma = exp(.)``), an
-    additive-like write with a forget rate that keeps the update linear and homogeneous, run as a CP transition on
-    ``[h; c]`` (:func:`write_channel_weights`); ``coupled_write`` reuses the input factors for the write,
+    additive-like write with a forget rate that keeps the update linear and homogeneous
+    (:class:`~.recurrence.CPWriteTransition`: the scans run the write as one more rank-space coordinate);
+    ``coupled_write`` reuses the input factors for the write,
     ``b(x) = W1 (u(x) * w)`` (:func:`coupled_write_channel_weights`, rank ``R + 1``). With ``P = state_columns > 1``
     the write is a key-value outer product, ``S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``k`` unit-norm over
     the ``P`` columns: column ``j`` is the write channel with the write ``b(x) k_j(x)``.
@@ -164,7 +165,7 @@ class CP(Transition):
         if self.config.coupled_write:
             return CPTransition(*coupled_write_channel_weights(W1, W2, self.write_vector.to(dtype)))
         if self.config.write_channel:
-            return CPTransition(*write_channel_weights(W1, W2))
+            return CPWriteTransition(W1, W2)
         return CPTransition(W1, W2)
 
 
@@ -271,28 +272,12 @@ TRANSITIONS = {"cp": CP, "identity": Identity, "full": Full, "block_diagonal": B
                "diagonal": Diagonal, "positive_diagonal": PositiveDiagonal}
 
 
-def write_channel_weights(W1, W2):
-    """CP weights ``[N, H+1, R+H+1]`` of the write-channel transition ``[[A(x), b(x)], [0, gamma(x)]]`` on ``[h; c]``.
-
-    With factors ``[u | b | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + b c; gamma c]``. The update stays
-    linear and homogeneous in ``[h; c]`` (so chunked normalization of both together stays exact) and runs on every
-    CP path, yet ``b(x) c`` writes like an additive input, forgotten at a rate set by ``gamma`` relative to ``A``.
-    """
-    N, H, R = W1.shape
-    eye, zeros = torch.eye(H, dtype=W1.dtype, device=W1.device).expand(N, H, H), W1.new_zeros(N, H, H + 1)
-    top1 = torch.cat([W1, eye, W1.new_zeros(N, H, 1)], dim=-1)
-    bottom1 = torch.cat([W1.new_zeros(N, 1, R + H), W1.new_ones(N, 1, 1)], dim=-1)
-    top2 = torch.cat([W2, zeros], dim=-1)
-    bottom2 = torch.cat([W2.new_zeros(N, 1, R), W2.new_ones(N, 1, H + 1)], dim=-1)
-    return torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1)
-
-
 def coupled_write_channel_weights(W1, W2, w):
     """CP weights ``[N, H+1, R+1]`` of the coupled write channel: the write reuses the transition's input factors.
 
     With factors ``[u | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * (W2^T h + w c)); gamma c]``, so the write is
     ``b(x) = W1 (u(x) * w)`` (``w [N, R]`` learned). Linear and homogeneous in ``[h; c]`` like
-    :func:`write_channel_weights`, at rank ``R + 1`` instead of ``R + H + 1``: about the pure model's cost.
+    :class:`~.recurrence.CPWriteTransition`, at rank ``R + 1``: about the pure model's cost.
     """
     N, H, R = W1.shape
     W1c = torch.cat([torch.cat([W1, W1.new_zeros(N, H, 1)], dim=-1),

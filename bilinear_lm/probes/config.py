@@ -55,7 +55,7 @@ class ProbeConfig:
     write_channel: bool = option(False, "bilinear-cp: add the homogeneous write channel "
                                         "(BilinearConfig.write_channel)")
     state_columns: int = option(1, "bilinear: columns of each head's matrix state (BilinearConfig.state_columns)")
-    num_heads: int = option(4, "transformer attention heads")
+    num_heads: int = option(4, "attention heads (transformer-N, and the attention layers of hybrid-N)")
     verbose: bool = option(False, "log every validation")
 
     def __post_init__(self):

@@ -7,6 +7,9 @@ vocabulary is sized max(num_symbols, num_classes) and untied. Models are built b
 - ``bilinear-<mixer>`` for mixer in cp, full, block_diagonal, rotation, diagonal, positive_diagonal:
   BilinearForCausalLM(num_hidden_layers=1, use_mlp=False, num_heads=1) = the paper's minimal model (embedding ->
   one bilinear recurrence -> linear readout of the normalized state); ``gate=True`` adds the LM's output gate.
+- ``hybrid-N`` (N >= 4): N of those ``bilinear-cp`` layers with every fourth a full-attention layer (``num_heads``
+  heads, RoPE; ``interleaved_layer_types(N, 4)``, the 3:1 of Qwen3-Next and Kimi Linear): does attention disturb
+  length generalization?
 - ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
 - ``transformer-N``: LlamaForCausalLM with N layers (RoPE, ``num_heads`` heads).
 - ``mamba-N``: MambaForCausalLM with N layers.
@@ -17,12 +20,12 @@ import torch
 from torch import nn
 
 from ..baselines import build_model
-from ..modeling.configuration_bilinear import MIXER_TYPES
+from ..modeling.configuration_bilinear import MIXER_TYPES, interleaved_layer_types
 from .config import ProbeConfig
 from .tasks import Task
 
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in MIXER_TYPES) + (
-    "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
+    "hybrid-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
 
 
 def default_rank(mixer: str, config: ProbeConfig, num_symbols: int) -> int:
@@ -57,6 +60,14 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
     if name in ("lstm", "lstm-2"):
         return "lstm", dict(hidden_size=H, num_layers=2 if name == "lstm-2" else 1)
     kind, _, layers = name.partition("-")
+    if kind == "hybrid" and layers.isdigit() and int(layers) >= 4:
+        L = int(layers)
+        _, cfg = model_spec("bilinear-cp", config, num_symbols)
+        heads = config.num_heads
+        if H % heads:
+            raise ValueError(f"hidden_size {H} must be divisible by num_heads {heads} for attention layers")
+        return "bilinear", {**cfg, "num_hidden_layers": L, "layer_types": interleaved_layer_types(L, 4),
+                            "num_attention_heads": heads, "num_key_value_heads": heads}
     if kind in ("transformer", "mamba") and layers.isdigit() and int(layers) >= 1:
         L = int(layers)
         if kind == "transformer":
@@ -68,7 +79,8 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
                                  tie_word_embeddings=False, use_cache=False)
         return "mamba", dict(hidden_size=H, state_size=16, num_hidden_layers=L, expand=2, tie_word_embeddings=False,
                              use_cache=False)
-    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N take any N)")
+    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N take any N, "
+                     "hybrid-N any N >= 4)")
 
 
 def build_probe_model(name: str, task: Task, config: ProbeConfig) -> tuple[nn.Module, dict]:

@@ -5,9 +5,11 @@
 
 std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
                                         torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
-                                        torch::Tensor p_start, int64_t columns);
+                                        torch::Tensor p_start, int64_t columns, torch::Tensor write,
+                                        torch::Tensor v);
 std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
-                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP);
+                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP,
+                                         torch::Tensor write);
 std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tensor W1, torch::Tensor W2,
                                    torch::Tensor keep, torch::Tensor restart, torch::Tensor h_start, bool boundary,
                                    bool guard, int64_t columns);
@@ -16,9 +18,9 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor W);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   m.def("scan_forward", &scan_forward, arg("u"), arg("Mt"), arg("W1"), arg("keep"), arg("p0"), arg("chunk"),
-        arg("offset"), arg("restart"), arg("p_start"), arg("columns"));
+        arg("offset"), arg("restart"), arg("p_start"), arg("columns"), arg("write"), arg("v"));
   m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("restart"), arg("DGT"),
-        arg("DP"));
+        arg("DP"), arg("write"));
   m.def("cp_step", &cp_step, arg("u"), arg("h"), arg("W1"), arg("W2"), arg("keep"), arg("restart"), arg("h_start"),
         arg("boundary"), arg("guard"), arg("columns"));
   m.def("small_batch_linear", &small_batch_linear, arg("x"), arg("W"));

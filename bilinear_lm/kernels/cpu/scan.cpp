@@ -74,7 +74,9 @@ inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, 
 }
 
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
-// keep, restart: [T, B] bool or empty; p_start: [N, columns, R]. Rows come in groups of `columns` (the columns of
+// keep, restart: [T, B] bool or empty; p_start: [N, columns, R]. The write channel (write: [T, N, B, R], v:
+// [T, N, B, H], or empty) is the last rank coordinate, e = g[R - 1] (scan.py's docstring): p_new = g @ Mt + e write_t,
+// and the state normalized is [W1 g + v_t e; gamma_t e] with gamma_t = write_t[R - 1]. Rows come in groups of `columns` (the columns of
 // one head's matrix state; 1 for a vector state), normalized together by the norm of the group's whole state. Each
 // (head, group) runs its whole sequence in one thread, chunk by chunk; a chunk whose peak |g| over the group leaves
 // the safe range is recomputed for that (head, group) normalizing every step. A restart step reads its column's
@@ -82,7 +84,7 @@ inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, 
 template <typename scalar_t>
 struct GroupScan {
   const scalar_t* u; const scalar_t* M; const scalar_t* W1T; const bool* keep; const bool* restart;
-  const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
+  const scalar_t* p_start; const scalar_t* write; const scalar_t* v; scalar_t* P; scalar_t* G; scalar_t* S;
   int64_t N, B, R, H, n, b0, columns, chunk, offset;
 
   // Steps [t0, t1); returns whether the group's peak |g| stayed in the safe range at every step.
@@ -105,6 +107,12 @@ struct GroupScan {
         for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
         if (normalize) {
           vec_mat(g, W1T, R, H, hv.data());  // h = W1 g
+          if (write) {  // [h; c] = [W1 g + v e; gamma e]
+            const scalar_t e = g[R - 1], c = write[row * R + R - 1] * e;
+            const scalar_t* __restrict__ vt = v + row * H;
+            for (int64_t k = 0; k < H; ++k) hv[k] += vt[k] * e;
+            norm2 += c * c;
+          }
           norm2 += sum_squares(hv.data(), H);
         }
       }
@@ -119,6 +127,11 @@ struct GroupScan {
         scalar_t* __restrict__ pn = P + (row + N * B) * R;
         if (keep_t) {
           vec_mat(g, M, R, R, pn);
+          if (write) {
+            const scalar_t e = g[R - 1];
+            const scalar_t* __restrict__ wt = write + row * R;
+            for (int64_t c = 0; c < R; ++c) pn[c] += e * wt[c];
+          }
         } else {
           const scalar_t* __restrict__ pt = P + row * R;
           for (int64_t c = 0; c < R; ++c) pn[c] = pt[c];
@@ -132,7 +145,8 @@ struct GroupScan {
 
 std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
                                         torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
-                                        torch::Tensor p_start, int64_t columns) {
+                                        torch::Tensor p_start, int64_t columns, torch::Tensor write,
+                                        torch::Tensor v) {
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
   TORCH_CHECK(columns >= 1 && B % columns == 0, "scan_forward: rows ", B, " are not whole groups of ", columns);
   auto G = torch::empty_like(u);
@@ -150,7 +164,8 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
         GroupScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
                                  W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
                                  rp ? p_start.data_ptr<scalar_t>() + n * columns * R : nullptr,
-                                 P.data_ptr<scalar_t>(), G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H,
+                                 write.numel() ? write.data_ptr<scalar_t>() : nullptr,
+                                 write.numel() ? v.data_ptr<scalar_t>() : nullptr, P.data_ptr<scalar_t>(), G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H,
                                  n, b0, columns, chunk, offset};
         for (int64_t t0 = 0; t0 < T;) {
           const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
@@ -164,17 +179,18 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
 }
 
 // Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and
-// DP (grad of p_t entering step t's matmul, zero where padded), and the grads of p_0 and of p_start per row.
+// DP (grad of p_t leaving step t, zero where padded), and the grads of p_0 and of p_start per row.
 template <typename scalar_t>
 void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const torch::Tensor& MtT,
-                     const torch::Tensor& keep, const torch::Tensor& restart, torch::Tensor& DGT, torch::Tensor& DP,
-                     torch::Tensor& dp0, torch::Tensor& dp_start) {
+                     const torch::Tensor& keep, const torch::Tensor& restart, const torch::Tensor& write,
+                     torch::Tensor& DGT, torch::Tensor& DP, torch::Tensor& dp0, torch::Tensor& dp_start) {
   const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
   const scalar_t* dgp = dG.data_ptr<scalar_t>();
   const scalar_t* sup = su.data_ptr<scalar_t>();
   const scalar_t* mp = MtT.data_ptr<scalar_t>();
   const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
   const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
+  const scalar_t* wp = write.numel() ? write.data_ptr<scalar_t>() : nullptr;
   scalar_t* dsp = dp_start.data_ptr<scalar_t>();
   scalar_t* dgtp = DGT.data_ptr<scalar_t>();
   scalar_t* dpp = DP.data_ptr<scalar_t>();
@@ -197,6 +213,12 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
         for (int64_t r = 0; r < R; ++r) dpt[r] = keep_t ? dp[r] : scalar_t(0);
         if (keep_t) {
           vec_mat(dpt, M, R, R, dgt, dgo);  // dgt = dgo + dp @ Mt^T
+          if (wp) {  // e_t = g_t[R - 1] wrote e_t write_t into p_t
+            const scalar_t* __restrict__ wt = wp + row * R;
+            scalar_t de = 0;
+            for (int64_t r = 0; r < R; ++r) de += wt[r] * dpt[r];
+            dgt[R - 1] += de;
+          }
           for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r];
         } else {
           for (int64_t r = 0; r < R; ++r) dgt[r] = dgo[r];
@@ -213,11 +235,12 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
 }
 
 std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
-                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP) {
+                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP,
+                                         torch::Tensor write) {
   auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
   auto dp_start = torch::empty_like(dp0);
   AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
-    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, DGT, DP, dp0, dp_start);
+    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, write, DGT, DP, dp0, dp_start);
   });
   return {dp0, dp_start};
 }
