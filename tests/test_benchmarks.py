@@ -193,7 +193,8 @@ def test_data_scale_measures_each_step_and_prints_a_row_per_num_proc(monkeypatch
 
 def test_loss_by_book_position_streams_a_recurrent_model_and_windows_attention(tiny_bilinear_config):
     """Each book one stream: the bins' losses times their counts add up to the protocol's total NLL (bilinear:
-    streaming; Llama, whose KV cache grows: strided windows of the training length), counts by position in closed form."""
+    streaming; Llama, whose KV cache grows: strided windows of the training length), counts by position in closed
+    form."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bilinear_lm import BilinearForCausalLM

@@ -76,11 +76,11 @@ inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, 
 // Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
 // keep, restart: [T, B] bool or empty; p_start: [N, columns, R]. The write channel (write: [T, N, B, R], v:
 // [T, N, B, H], or empty) is the last rank coordinate, e = g[R - 1] (scan.py's docstring): p_new = g @ Mt + e write_t,
-// and the state normalized is [W1 g + v_t e; gamma_t e] with gamma_t = write_t[R - 1]. Rows come in groups of `columns` (the columns of
-// one head's matrix state; 1 for a vector state), normalized together by the norm of the group's whole state. Each
-// (head, group) runs its whole sequence in one thread, chunk by chunk; a chunk whose peak |g| over the group leaves
-// the safe range is recomputed for that (head, group) normalizing every step. A restart step reads its column's
-// p_start instead of the previous p (P holds each step's input).
+// and the state normalized is [W1 g + v_t e; gamma_t e] with gamma_t = write_t[R - 1]. Rows come in groups of
+// `columns` (the columns of one head's matrix state; 1 for a vector state), normalized together by the norm of the
+// group's whole state. Each (head, group) runs its whole sequence in one thread, chunk by chunk; a chunk whose peak
+// |g| over the group leaves the safe range is recomputed for that (head, group) normalizing every step. A restart
+// step reads its column's p_start instead of the previous p (P holds each step's input).
 template <typename scalar_t>
 struct GroupScan {
   const scalar_t* u; const scalar_t* M; const scalar_t* W1T; const bool* keep; const bool* restart;
@@ -165,8 +165,9 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
                                  W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
                                  rp ? p_start.data_ptr<scalar_t>() + n * columns * R : nullptr,
                                  write.numel() ? write.data_ptr<scalar_t>() : nullptr,
-                                 write.numel() ? v.data_ptr<scalar_t>() : nullptr, P.data_ptr<scalar_t>(), G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H,
-                                 n, b0, columns, chunk, offset};
+                                 write.numel() ? v.data_ptr<scalar_t>() : nullptr, P.data_ptr<scalar_t>(),
+                                 G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b0, columns, chunk,
+                                 offset};
         for (int64_t t0 = 0; t0 < T;) {
           const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
           if (!scan.run(t0, t1, false) && chunk > 0) scan.run(t0, t1, true);
