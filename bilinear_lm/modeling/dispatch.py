@@ -196,9 +196,6 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
     H, R = W1.shape[1:]
     transition = CPWriteTransition(W1, W2) if write else CPTransition(W1, W2)
     impl = resolve_impl(impl, u, R + write, H + write)
-    if write and impl == "triton":  # the Triton scan has no write coordinate: the write as CP factors there
-        transition, write = transition.as_cp(), False
-        W1, W2 = transition.W1, transition.W2
     if impl == "reference":
         return reference_recurrence(transition, u, h0, mask, chunk, offset, reset=reset,
                                     h_start=_start_rows(h_start, u.shape[0], columns), columns=columns)

@@ -77,8 +77,8 @@ class CPWriteTransition:
 
     def as_cp(self) -> CPTransition:
         """The same map as ``CPTransition(W1', W2')`` with ``W1', W2': [N, H + 1, R + H + 1]``: with factors
-        ``[u | v | gamma]``, ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + v c; gamma c]`` (what the Triton scan and
-        the compiled decoding step run)."""
+        ``[u | v | gamma]``, ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + v c; gamma c]`` (what the compiled
+        decoding step runs)."""
         W1, W2 = self.W1, self.W2
         N, H, R = W1.shape
         eye, zeros = torch.eye(H, dtype=W1.dtype, device=W1.device).expand(N, H, H), W1.new_zeros(N, H, H + 1)

@@ -18,8 +18,8 @@ exactly this (tested against it and against the reference loop). Layout ``[T, N,
   and ``W1`` zero in that row and column, and each step adds the write, ``p_t = g_t Mt + e_t write_t`` with
   ``e_t = g_t[-1]`` and ``write_t = [W2^T v_t; gamma_t]`` (``[T,N,B,R]``): ``h_t = W1 g_t + v_t e_t``,
   ``c_t = gamma_t e_t``. ``v``: ``[T,N,B,H]``, read for the norm of ``[h_t; c_t]`` at normalizations only. The cost
-  per step stays about the pure scan's, instead of the rank ``R + H + 1`` of the write as a CP factor
-  (``CPWriteTransition.as_cp``).
+  per step stays about the pure scan's, instead of the rank ``R + H + 1`` of the write as CP factors
+  (``CPWriteTransition.as_cp``, what the compiled decoding step runs).
 * ``scan_backward(dG, su, MtT, keep, restart, DGT, DP, write) -> (dp0, dp_start)``: the reverse loop, given
   ``dL/dg_t`` and ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t``
   leaving step ``t``, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row
