@@ -151,8 +151,8 @@ def main(argv=None) -> None:
              f"(loading the text before it: {bpe['load_s']:.1f} s). Peak RSS after the imports alone: "
              f"{bpe['imports_mib']:.0f} MiB.", "",
              "| num_proc | load + check (s) | tokenize + pack (s) | CPU main + workers (s) | cores busy | peak RSS main "
-             "after loading (MiB) | peak RSS main (MiB) | peak RSS worker (MiB, 0: none) | "
-             "over the imports, main / worker (x the blocks) | tokens packed | blocks on disk (MiB) | all cache files (MiB) |",
+             "after loading (MiB) | peak RSS main (MiB) | peak RSS worker (MiB, 0: none) | over the imports, main / "
+             "worker (x the blocks) | tokens packed | blocks on disk (MiB) | all cache files (MiB) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in runs.items():
         blocks_mib = r["blocks_bytes"] / mib
