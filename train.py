@@ -173,7 +173,10 @@ def micro_batches(accelerator, train_dl, state: TrainState):
     """Training micro-batches, epoch after epoch, from where `state` stands (the seedable sampler's order for the
     epoch, minus what the epoch already consumed: a resumed run sees the batches an uninterrupted one would). A
     stream (--streaming) continues from its own restored position; its loader is not `prepare`d (Accelerate's reads
-    a batch ahead, which the saved position would count), so its batches are moved to the device here."""
+    a batch ahead, which the saved position would count), so its batches are moved to the device here. A pass that
+    gives this process no batch is an error: the loop would spin here forever (and the other ranks wait for it in
+    their first collective)."""
+    empty_passes = 0  # in a row; a resumed stream may start at its end, so a pass from its start must be empty too
     while True:
         if isinstance(train_dl.dataset, IterableDataset):
             train_dl.dataset.set_epoch(state.epoch)
@@ -181,9 +184,18 @@ def micro_batches(accelerator, train_dl, state: TrainState):
         else:
             train_dl.set_epoch(state.epoch)
             loader = accelerator.skip_first_batches(train_dl, state.batches_done) if state.batches_done else train_dl
+        batches = 0
         for batch in loader:
-            state.batches_done += 1
+            state.batches_done, batches = state.batches_done + 1, batches + 1
             yield batch
+        empty_passes = 0 if batches else empty_passes + 1
+        if empty_passes == 2:
+            n, rows = accelerator.num_processes, train_dl.batch_size
+            share = f"{n} processes share" if n > 1 else "1 process reads"
+            raise TrainingInputError(
+                f"the training data gives process {accelerator.process_index} no batch of --batch_size {rows} blocks "
+                f"in a whole pass over the data ({share} its blocks, so it needs at least {n * rows} blocks of "
+                f"--block_size tokens); add data or lower --batch_size or --block_size")
         state.epoch, state.batches_done = state.epoch + 1, 0
 
 

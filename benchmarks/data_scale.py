@@ -9,7 +9,10 @@ tokenizing + packing (at each --num-proc), and the size of the tokenized data on
 Every step runs in its own process with a fresh, empty `datasets` cache (HF_DATASETS_CACHE in a temporary
 folder): the cold path, as a first run of train.py meets it. The BPE is trained once (train.py trains it on the
 training split; its time and memory are their own row) and every tokenizing run loads it. Peak memory is the
-process's own ru_maxrss, and the largest of its `num_proc` worker processes'. "on disk" is the bytes of the Arrow
+process's own ru_maxrss (also right after loading the text), and the largest of its `num_proc` worker processes';
+"over the imports" subtracts the peak after the imports alone and divides by the size of the packed blocks. CPU is
+the user + system seconds of the main process and of its workers; "cores busy" is their sum over the wall time (on a
+machine that other jobs share, less than the cores the step could use). "on disk" is the bytes of the Arrow
 files the run wrote: the packed blocks train.py trains on, and everything in the cache (the text converted to
 Arrow, the tokenized rows, the blocks). The file is only read. Prints a markdown table; never run two benchmarks at
 once on one machine: the numbers are wall-clock.
@@ -45,6 +48,12 @@ def peaks_mib() -> tuple[float, float]:
             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """User + system CPU seconds of this process, and of its waited-for children (the tokenizing workers)."""
+    return tuple(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
 def arrow_bytes(paths) -> int:
     return sum(Path(p).stat().st_size for p in paths)
 
@@ -59,17 +68,18 @@ def child(args) -> dict:
     imports_mib = peaks_mib()[0]  # the libraries alone
     t0 = time.perf_counter()
     raw = load_raw_text(train_file=args.file, val_fraction=args.val_fraction)
-    loaded = time.perf_counter() - t0
+    loaded, loaded_mib = time.perf_counter() - t0, peaks_mib()[0]
     if args.step == "bpe":
         t0 = time.perf_counter()
         build_tokenizer("bpe", raw["train"], args.bpe_vocab_size).save_pretrained(args.tokenizer_dir)
         return {"load_s": loaded, "bpe_s": time.perf_counter() - t0, "peak_mib": peaks_mib(), "imports_mib": imports_mib}
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     blocks = tokenize_and_pack(raw, tokenizer, args.block_size, add_eos=args.add_eos, num_proc=args.num_proc)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, [after - before for after, before in zip(cpu_seconds(), cpu0)]
     cache = Path(os.environ["HF_DATASETS_CACHE"])
-    return {"load_s": loaded, "tokenize_s": seconds, "peak_mib": peaks_mib(), "imports_mib": imports_mib,
+    return {"load_s": loaded, "tokenize_s": seconds, "cpu_s": cpu, "peak_mib": peaks_mib(), "imports_mib": imports_mib,
+            "loaded_mib": loaded_mib,
             "tokens": sum(len(ds) for ds in blocks.values()) * args.block_size,
             "blocks_bytes": arrow_bytes(f["filename"] for ds in blocks.values() for f in ds.cache_files),
             "cache_bytes": arrow_bytes(cache.rglob("*.arrow"))}
@@ -140,12 +150,17 @@ def main(argv=None) -> None:
              f"BPE training (once, on the training split): {bpe['bpe_s']:.1f} s, peak RSS {bpe['peak_mib'][0]:.0f} MiB "
              f"(loading the text before it: {bpe['load_s']:.1f} s). Peak RSS after the imports alone: "
              f"{bpe['imports_mib']:.0f} MiB.", "",
-             "| num_proc | load + check (s) | tokenize + pack (s) | peak RSS main (MiB) | peak RSS worker (MiB, 0: none) | "
-             "tokens packed | blocks on disk (MiB) | all cache files (MiB) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| num_proc | load + check (s) | tokenize + pack (s) | CPU main + workers (s) | cores busy | peak RSS main "
+             "after loading (MiB) | peak RSS main (MiB) | peak RSS worker (MiB, 0: none) | over the imports, main / "
+             "worker (x the blocks) | tokens packed | blocks on disk (MiB) | all cache files (MiB) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in runs.items():
-        lines.append(f"| {n} | {r['load_s']:.1f} | {r['tokenize_s']:.1f} | {r['peak_mib'][0]:.0f} | "
-                     f"{r['peak_mib'][1]:.0f} | {r['tokens']:,} | {r['blocks_bytes'] / mib:.1f} | "
+        blocks_mib = r["blocks_bytes"] / mib
+        over = [f"{peak - r['imports_mib']:.0f} ({(peak - r['imports_mib']) / blocks_mib:.1f}x)" if peak else "-"
+                for peak in r["peak_mib"]]
+        lines.append(f"| {n} | {r['load_s']:.1f} | {r['tokenize_s']:.1f} | {r['cpu_s'][0]:.1f} + {r['cpu_s'][1]:.1f} | "
+                     f"{sum(r['cpu_s']) / r['tokenize_s']:.2f} | {r['loaded_mib']:.0f} | {r['peak_mib'][0]:.0f} | "
+                     f"{r['peak_mib'][1]:.0f} | {' / '.join(over)} | {r['tokens']:,} | {r['blocks_bytes'] / mib:.1f} | "
                      f"{r['cache_bytes'] / mib:.1f} |")
     table = "\n".join(lines)
     print(table)

@@ -314,3 +314,67 @@ def test_streaming_needs_a_validation_split(tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     with pytest.raises(D.DataError, match="--streaming needs a validation split.*pass --validation_file"):
         D.load_raw_text(train_file=str(tmp_path / "docs.jsonl"), streaming=True)
+
+
+def _reference_blocks(rows, block_size, group_rows):
+    """Independent packing: each group of `group_rows` token rows concatenated and cut into blocks, tails dropped."""
+    blocks = []
+    for start in range(0, len(rows), group_rows):
+        stream = [t for row in rows[start:start + group_rows] for t in row]
+        blocks += [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+    return blocks
+
+
+@pytest.mark.parametrize("num_proc, add_eos", [(1, False), (2, True)])
+def test_packing_a_batch_at_a_time_equals_a_naive_packing_of_the_token_stream(tmp_path, monkeypatch, num_proc,
+                                                                                add_eos):
+    """The packer holds one batch of about PACK_TOKENS tokens and carries what fills no block to the next batch: the
+    blocks must be those of packing each PACK_ROWS rows as one stream. Small PACK_TOKENS / PACK_ROWS so that batches,
+    carries and group ends (and rows longer than a block, empty rows) all occur."""
+    monkeypatch.setattr(D, "PACK_TOKENS", 100)  # about 2 rows a batch
+    monkeypatch.setattr(D, "PACK_ROWS", 24)    # batches of a divisor of 24 rows; the carry is dropped every 24 rows
+    docs = [("word " * (i * 7 % 23)) + f"doc {i}\n" if i % 11 else "" for i in range(90)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    raw = D.load_raw_text(train_file=str(tmp_path / "d.jsonl"), validation_file=str(tmp_path / "d.jsonl"))
+    tok = D.build_tokenizer(None, raw["train"], vocab_size=280)  # a byte-level BPE: it has an EOS token
+    assert D._packing_rows(__import__("numpy").full(90, 50)) == 2
+    blocks = D.tokenize_and_pack(raw, tok, block_size=16, add_eos=add_eos, num_proc=num_proc)
+    eos = [tok.eos_token_id] if add_eos else []
+    rows = [tok(d, add_special_tokens=False)["input_ids"] + eos for d in raw["train"]["text"]]
+    reference = _reference_blocks(rows, 16, 24)
+    assert len(reference) > 20 and _rows(blocks["train"]) == reference
+    assert _rows(blocks["validation"]) == reference  # the same file
+    monkeypatch.setattr(D, "PACK_ROWS", 100_000)  # a different key: packed anew, now as one stream
+    one_stream = D.tokenize_and_pack(raw, tok, block_size=16, add_eos=add_eos, num_proc=num_proc)
+    assert _rows(one_stream["train"]) == _reference_blocks(rows, 16, len(rows))
+
+    packer = D._Packer(16)  # batches must come in order: the carry belongs to the rows before
+    packer(blocks["train"].with_format("arrow")[:2], [0, 1])
+    with pytest.raises(RuntimeError, match="packing batch at row 5, expected row 2"):
+        packer(blocks["train"].with_format("arrow")[:2], [5, 6])
+
+
+def test_streaming_tokenizes_in_batches_of_the_same_size_as_the_map_style_path(tmp_path, monkeypatch):
+    """Both paths ask `tokenizing_rows` for about TOKENIZE_CHARS characters a batch (the stream from its head)."""
+    monkeypatch.setattr(D, "TOKENIZE_CHARS", 300)
+    docs = [f"document {i:03d} of the same length.\n" for i in range(100)]  # 33 characters each: 9 rows a batch
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = _char_tokenizer()
+    calls = []
+
+    class Recording:  # the encoder, counting the texts of every call
+        def __init__(self, encoder):
+            self.encoder = encoder
+
+        def encode_batch_fast(self, texts, **kwargs):
+            calls.append(len(texts))
+            return self.encoder.encode_batch_fast(texts, **kwargs)
+
+    raw = D.load_raw_text(train_file=str(tmp_path / "d.jsonl"), validation_file=str(tmp_path / "d.jsonl"),
+                          streaming=True)
+    assert D.tokenizing_rows(D._n_chars(raw["validation"]) / len(raw["validation"])) == 9
+    encoder = D._encoder
+    monkeypatch.setattr(D, "_encoder", lambda tokenizer: Recording(encoder(tokenizer)))
+    stream = D.tokenize_and_pack(D.DatasetDict({"train": raw["train"]}), tok, block_size=16)["train"]
+    assert _rows(stream) == _rows(D.tokenize_and_pack(raw, tok, block_size=16, num_proc=1)["validation"])
+    assert calls == [9] * 11 + [1]  # (the validation split is tokenized in a worker process: not seen here)

@@ -495,3 +495,20 @@ def test_a_resumed_streaming_run_reads_the_blocks_an_uninterrupted_one_reads(tmp
     assert run(tmp_path / "b", 2) == {k: uninterrupted[k] for k in (1, 2)}
     assert (tmp_path / "b" / "checkpoints" / "step_2" / "data_state_0.json").is_file()
     assert run(tmp_path / "b", 4, "--resume_from_checkpoint=latest") == {k: uninterrupted[k] for k in (3, 4)}
+
+
+def test_a_stream_shorter_than_a_batch_is_an_error_not_an_endless_loop(tmp_path):
+    """--streaming cannot know the stream's length up front: a pass that gives no batch (here 2 blocks for a batch of
+    4) must stop the run (on 2 ranks, a rank with no batch spun forever while the other waited in its all-reduce)."""
+    import train
+
+    (tmp_path / "train.txt").write_text("to be, or not to be, that is the question.\n")  # 44 characters: 2 blocks of 16
+    (tmp_path / "val.txt").write_text("to be, or not to be, that is the question.\n" * 3)
+    with pytest.raises(TrainingInputError, match=r"gives process 0 no batch of --batch_size 4 blocks in a whole pass "
+                                                 r"over the data \(1 process reads its blocks, so it needs at least 4 "
+                                                 r"blocks of --block_size tokens\)"):
+        train.main(["--config", PRESET, f"--train_file={tmp_path / 'train.txt'}",
+                    f"--validation_file={tmp_path / 'val.txt'}", "--streaming=true", f"--output_dir={tmp_path / 'o'}",
+                    "--max_steps=2", "--eval_interval=0", "--sample_tokens=0", "--block_size=16", "--batch_size=4",
+                    "--num_proc=1", *[f"--model.{k}={v}" for k, v in SMALL.items()]])
+

@@ -8,10 +8,10 @@ checkpoint and reloaded with `AutoTokenizer.from_pretrained`.
     tok = build_tokenizer("char", raw["train"])
     blocks = tokenize_and_pack(raw, tok, block_size=64)   # DatasetDict of {"input_ids"} rows, cached on disk
 
-Data scales: files are checked in chunks, tokenizing runs in `num_proc` processes into the `datasets` cache
-(memory-mapped Arrow files, reused by the next run and by the other ranks), packing is Arrow arithmetic, and
-`streaming=True` reads, tokenizes and packs a training corpus as it is iterated (resumable position:
-`IterableDataset.state_dict()`).
+Data scales: files are checked in chunks, tokenizing runs in `num_proc` worker processes into the `datasets` cache
+(memory-mapped Arrow files, reused by the next run and by the other ranks), packing cuts those rows into blocks a
+batch at a time (`_Packer`: the remainder is carried over), and `streaming=True` reads, tokenizes and packs a
+training corpus as it is iterated (resumable position: `IterableDataset.state_dict()`).
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ FORMATS = {".txt": "text", ".raw": "text", ".text": "text", ".txt.gz": "text", "
            ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
 EOS_TOKEN = "<|endoftext|>"
 VALIDATION_SPLITS = ("validation", "valid", "val")  # the names a dataset's held-out split goes by
-PACK_ROWS = 100_000  # rows per packing batch: small files pack as one contiguous stream (like nanoGPT)
+PACK_ROWS = 100_000  # rows packed as one stream: small files pack as one contiguous stream (like nanoGPT)
+PACK_TOKENS = 2 ** 20  # tokens per packing batch (the stream is cut a batch at a time, the remainder carried over)
 # Characters per tokenizing batch: the tokenizer's per-token objects of a batch (ids, offsets, token strings) are
 # ~100 bytes a token, so a batch of whole books (datasets' default, 1,000 rows) held the Gutenberg split at ~45x its
 # tokenized size (3.6 GB peak); batches of about 1M characters keep a tokenizing process within ~2x of it
@@ -365,6 +366,79 @@ def default_num_proc() -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
+def tokenizing_rows(chars_per_row: float) -> int:
+    """Rows per tokenizing batch, of the map-style and the streaming path alike: about TOKENIZE_CHARS characters
+    (rows of `chars_per_row` characters on average), at most datasets' default of 1,000 rows."""
+    return max(1, min(1000, int(TOKENIZE_CHARS / max(chars_per_row, 1.0))))
+
+
+def _head_chars_per_row(ds: IterableDataset) -> float:
+    """Characters per row at the head of a stream: its first rows up to TOKENIZE_CHARS characters (at most 1,000
+    rows; the same rows on every rank and every resume), read once."""
+    chars = rows = 0
+    for rows, row in enumerate(ds.take(1000), 1):
+        chars += len(row["text"])
+        if chars >= TOKENIZE_CHARS:
+            break
+    return chars / max(rows, 1)
+
+
+def _encoder(tokenizer):
+    """The `tokenizers` backend of a transformers fast tokenizer, copied without truncation or padding (its call turns
+    both off as well): the same ids as `tokenizer(texts, add_special_tokens=False)`, from `encode_batch_fast`, which
+    skips the character offsets (about half the time of a byte-level BPE's encoding, measured on Gutenberg text)."""
+    from tokenizers import Tokenizer
+
+    encoder = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    encoder.no_truncation()
+    encoder.no_padding()
+    return encoder
+
+
+def _blocks(tokens: np.ndarray, block_size: int) -> pa.Table:
+    """`tokens` (a whole number of blocks) as a table of `block_size` rows of `input_ids`, without a copy."""
+    offsets = pa.array(np.arange(0, len(tokens) + 1, block_size, dtype=np.int32))
+    return pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(tokens))})
+
+
+def _pack(table: pa.Table, block_size: int) -> pa.Table:
+    """The token rows of `table` as one stream cut into `block_size` blocks; the tail that fills no block is dropped."""
+    flat = pc.list_flatten(table["input_ids"])
+    n = len(flat) // block_size * block_size
+    flat = flat.slice(0, n)
+    flat = flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
+    return _blocks(flat.to_numpy(), block_size)
+
+
+class _Packer:
+    """A `datasets.map` function (batched, with_indices, Arrow format, in one process) that cuts the token rows of a
+    split, batch after batch, into `block_size` blocks and carries the tokens that fill no whole block over to the
+    next batch. The blocks are those of packing every PACK_ROWS rows as one stream (`_pack`), whose tail under a
+    block is dropped, while only one batch of tokens is held: batches hold a divisor of PACK_ROWS rows, so none
+    straddles two packing groups, and the carry is dropped where a group starts."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.carry, self.next_row = block_size, np.empty(0, np.int32), 0
+
+    def __call__(self, batch: pa.Table, indices: list[int]) -> pa.Table:
+        if indices[0] % PACK_ROWS == 0:
+            self.carry = self.carry[:0]
+        elif indices[0] != self.next_row:  # the carry belongs to the rows just before: batches must come in order
+            raise RuntimeError(f"packing batch at row {indices[0]}, expected row {self.next_row}")
+        self.next_row = indices[-1] + 1
+        flat = pc.list_flatten(batch["input_ids"])
+        tokens = np.concatenate([self.carry, flat.to_numpy() if len(flat) else np.empty(0, np.int32)])
+        n = len(tokens) // self.block_size * self.block_size
+        self.carry = tokens[n:].copy()  # not a view that would keep this batch's tokens alive
+        return _blocks(tokens[:n], self.block_size)
+
+
+def _packing_rows(row_tokens: np.ndarray) -> int:
+    """Rows per packing batch: about PACK_TOKENS tokens, and a divisor of PACK_ROWS."""
+    target = max(1, min(PACK_ROWS, int(PACK_TOKENS / max(float(row_tokens.mean()) if len(row_tokens) else 1.0, 1.0))))
+    return max(d for d in range(1, target + 1) if PACK_ROWS % d == 0)
+
+
 def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: bool = False,
                       num_proc: int | None = None) -> DatasetDict:
     """Tokenize every split with `.map` and pack the concatenated token stream into `block_size` rows of `input_ids`
@@ -372,46 +446,45 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
 
     Rows are concatenated as they are (.txt rows keep their line breaks); with `add_eos` the tokenizer's EOS id is
     appended to every row (document-per-row data such as .jsonl). Every PACK_ROWS rows are packed as one stream
-    whose tail that does not fill a whole block is dropped. A map-style split is tokenized by `num_proc` processes
-    into the `datasets` cache on disk (memory-mapped; a second call with the same text, tokenizer and options loads
-    it from there); an `IterableDataset` split (streaming) is tokenized and packed the same way as it is iterated,
-    into the same blocks.
+    whose tail that does not fill a whole block is dropped. A map-style split is tokenized by `num_proc` worker
+    processes (batches of about TOKENIZE_CHARS characters) into the `datasets` cache on disk, then packed by this
+    process from those memory-mapped rows, about PACK_TOKENS tokens at a time (`_Packer`), into the cache too (a
+    second call with the same text, tokenizer and options loads it from there); an `IterableDataset` split
+    (streaming) is tokenized in batches of the same size and packed as it is iterated, into the same blocks.
     """
     eos = tokenizer.eos_token_id if add_eos else None
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
 
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids] if eos is not None else ids}
+    encoder = _encoder(tokenizer)
 
-    def pack(table: pa.Table) -> pa.Table:
-        flat = pc.list_flatten(table["input_ids"])
-        n = len(flat) // block_size * block_size
-        flat = flat.slice(0, n)
-        flat = flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat
-        offsets = pa.array(np.arange(0, n + 1, block_size, dtype=np.int32))
-        return pa.table({"input_ids": pa.ListArray.from_arrays(offsets, flat)})
+    def tokenize(batch):
+        ids = [encoding.ids for encoding in encoder.encode_batch_fast(batch["text"], add_special_tokens=False)]
+        return {"input_ids": [x + [eos] for x in ids] if eos is not None else ids}
 
     # the cache key: the text, the tokenizer's full definition and the options (not the hash of a closure)
     key = Hasher.hash([tokenizer.backend_tokenizer.to_str(), eos, block_size, PACK_ROWS])
     out = DatasetDict()
     for split, ds in raw.items():
         if isinstance(ds, IterableDataset):
-            toks = ds.map(tokenize, batched=True, remove_columns=["text"], features=features)
-            out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS).with_format(None)
+            rows = tokenizing_rows(_head_chars_per_row(ds))
+            toks = ds.map(tokenize, batched=True, batch_size=rows, remove_columns=["text"], features=features)
+            out[split] = toks.with_format("arrow").map(_pack, batched=True, batch_size=PACK_ROWS,
+                                                       fn_kwargs={"block_size": block_size}).with_format(None)
             continue
-        procs = num_proc or default_num_proc()  # 1: in this process (datasets would start one worker)
-        rows = max(1, min(1000, TOKENIZE_CHARS * len(ds) // max(1, _n_chars(ds))))  # ~TOKENIZE_CHARS a batch
+        rows = tokenizing_rows(_n_chars(ds) / max(len(ds), 1))
+        # worker processes (one-threaded tokenizers: datasets sets TOKENIZERS_PARALLELISM=false in them), num_proc 1
+        # too: the worker's exit hands back the tokenizer's memory, which this process's allocator would keep
         toks = ds.map(tokenize, batched=True, batch_size=rows, writer_batch_size=rows, remove_columns=ds.column_names,
-                      features=features, num_proc=procs if procs > 1 else None,
+                      features=features, num_proc=num_proc or default_num_proc(),
                       new_fingerprint=Hasher.hash([ds._fingerprint, key]), desc=f"tokenize {split}")
-        n_tokens = int(pc.sum(pc.list_value_length(toks.with_format("arrow")["input_ids"])).as_py() or 0)
-        if n_tokens < block_size:
+        row_tokens = pc.list_value_length(toks.with_format("arrow")["input_ids"]).to_numpy()
+        if row_tokens.sum() < block_size:
             raise DataError(
-                f"the {split} split has only {n_tokens} tokens, fewer than block_size={block_size}; "
+                f"the {split} split has only {row_tokens.sum()} tokens, fewer than block_size={block_size}; "
                 f"use a smaller --block_size or more data"
             )
-        out[split] = toks.with_format("arrow").map(pack, batched=True, batch_size=PACK_ROWS, desc=f"pack {split}",
+        out[split] = toks.with_format("arrow").map(_Packer(block_size), batched=True, with_indices=True,
+                                                   batch_size=_packing_rows(row_tokens), desc=f"pack {split}",
                                                    new_fingerprint=Hasher.hash([toks._fingerprint, "pack", key])
                                                    ).with_format(None)
     return out
