@@ -95,16 +95,16 @@ def test_every_model_name_builds_from_a_fresh_config(name):
     config = ProbeConfig(hidden_size=8, state_size=8, test_lengths=(3000,))
     model, cfg = build_probe_model(name, task, config)
     kind, _, n = name.partition("-")
-    expected = {"bilinear": "BilinearForCausalLM", "hybrid": "BilinearForCausalLM", "lstm": "LSTMLanguageModel",
-                "transformer": "LlamaForCausalLM", "mamba": "MambaForCausalLM"}[kind]
+    expected = {"bilinear": "BilinearForCausalLM", "hybrid": "BilinearForCausalLM", "stack": "BilinearForCausalLM",
+                "lstm": "LSTMLanguageModel", "transformer": "LlamaForCausalLM", "mamba": "MambaForCausalLM"}[kind]
     assert type(model).__name__ == expected and cfg["vocab_size"] == 5 == model.get_input_embeddings().num_embeddings
     assert model.config.hidden_size == 8
     if kind == "lstm":
         assert model.lstm.num_layers == (2 if n == "2" else 1)
     elif kind != "bilinear":
         assert model.config.num_hidden_layers == int(n)
-    if kind == "hybrid":  # 3 bilinear : 1 attention
-        assert model.config.layer_types == ["bilinear", "bilinear", "bilinear", "full_attention"]
+    if kind in ("hybrid", "stack"):  # 3 bilinear : 1 attention, or 4 bilinear
+        assert model.config.layer_types == ["bilinear"] * 3 + ["full_attention" if kind == "hybrid" else "bilinear"]
     if kind == "transformer":
         assert model.config.max_position_embeddings == 3001  # the longest test sequence fits
     x, _ = task.sample(2, 7)

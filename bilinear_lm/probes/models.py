@@ -9,7 +9,7 @@ vocabulary is sized max(num_symbols, num_classes) and untied. Models are built b
   one bilinear recurrence -> linear readout of the normalized state); ``gate=True`` adds the LM's output gate.
 - ``hybrid-N`` (N >= 4): N of those ``bilinear-cp`` layers with every fourth a full-attention layer (``num_heads``
   heads, RoPE; ``interleaved_layer_types(N, 4)``, the 3:1 of Qwen3-Next and Kimi Linear): does attention disturb
-  length generalization?
+  length generalization? ``stack-N``: the same N layers all ``bilinear-cp``, its control at equal depth.
 - ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
 - ``transformer-N``: LlamaForCausalLM with N layers (RoPE, ``num_heads`` heads).
 - ``mamba-N``: MambaForCausalLM with N layers.
@@ -25,7 +25,7 @@ from .config import ProbeConfig
 from .tasks import Task
 
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in MIXER_TYPES) + (
-    "hybrid-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
+    "hybrid-4", "stack-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
 
 
 def default_rank(mixer: str, config: ProbeConfig, num_symbols: int) -> int:
@@ -60,6 +60,9 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
     if name in ("lstm", "lstm-2"):
         return "lstm", dict(hidden_size=H, num_layers=2 if name == "lstm-2" else 1)
     kind, _, layers = name.partition("-")
+    if kind == "stack" and layers.isdigit() and int(layers) >= 1:
+        _, cfg = model_spec("bilinear-cp", config, num_symbols)
+        return "bilinear", {**cfg, "num_hidden_layers": int(layers)}
     if kind == "hybrid" and layers.isdigit() and int(layers) >= 4:
         L = int(layers)
         _, cfg = model_spec("bilinear-cp", config, num_symbols)
@@ -79,8 +82,8 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
                                  tie_word_embeddings=False, use_cache=False)
         return "mamba", dict(hidden_size=H, state_size=16, num_hidden_layers=L, expand=2, tie_word_embeddings=False,
                              use_cache=False)
-    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N take any N, "
-                     "hybrid-N any N >= 4)")
+    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N / stack-N "
+                     "take any N, hybrid-N any N >= 4)")
 
 
 def build_probe_model(name: str, task: Task, config: ProbeConfig) -> tuple[nn.Module, dict]:
