@@ -1,10 +1,13 @@
 """MQAR data against a per-example loop, the sweep CLI, and query accuracy against a hand count."""
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from bilinear_lm.probes.recall import IGNORE, RecallConfig, mqar, query_accuracy, recall_model
+from bilinear_lm.probes import recall
+from bilinear_lm.probes.recall import (IGNORE, RecallConfig, held_out_set, mqar, query_accuracy, recall_model,
+                                       train_batch)
 from bilinear_lm.probes.report import recall_table
 
 
@@ -21,6 +24,46 @@ def test_mqar_labels_are_the_values_of_the_queried_keys():
     assert torch.equal(again, tokens)
 
 
+def test_dense_training_sequences_query_every_position_after_the_pairs_and_the_test_set_stays_plain():
+    config = RecallConfig(vocab_size=64, seq_len=40, num_pairs=6, batch_size=400, dense_fraction=0.5, test_size=50)
+    tokens, labels = train_batch(config, torch.Generator().manual_seed(0))
+    dense = 0
+    for x, y in zip(tokens.tolist(), labels.tolist()):
+        pairs = dict(zip(x[0:12:2], x[1:12:2]))
+        asked = [(t, label) for t, label in enumerate(y) if label != IGNORE]
+        assert all(t >= 12 and label == pairs[x[t]] for t, label in asked)  # every answer is its key's value
+        assert set(x[t] for t, _ in asked) == set(pairs)  # every key asked at least once
+        if len(asked) == 40 - 12:  # dense: a query at every position after the pairs
+            dense += 1
+        else:  # plain: each key once, token 0 elsewhere
+            assert len(asked) == 6 and all(x[t] == 0 for t in range(12, 40) if y[t] == IGNORE)
+    assert 160 < dense < 240  # about half of 400
+    all_dense = train_batch(dataclasses.replace(config, dense_fraction=1.0), torch.Generator().manual_seed(0))[1]
+    assert ((all_dense[:, 12:] != IGNORE).all() and (all_dense[:, :12] == IGNORE).all())
+    plain = train_batch(dataclasses.replace(config, dense_fraction=0.0), torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(plain, mqar(400, 40, 6, 64, torch.Generator().manual_seed(0))))
+    # the held-out set is plain MQAR, the same with or without dense training
+    test = held_out_set(config, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(test, held_out_set(dataclasses.replace(config, dense_fraction=0.0),
+                                                                     seed=3)))
+    assert ((test[1] != IGNORE).sum(1) == 6).all()
+
+
+def test_run_recall_trains_on_dense_batches_and_tests_on_plain_ones(monkeypatch):
+    seen = []  # (dense argument, answers per sequence) of every mqar call of the run
+
+    def recording_mqar(*args, dense=0.0, **kwargs):
+        tokens, labels = mqar(*args, dense=dense, **kwargs)
+        seen.append((dense, sorted(set((labels != IGNORE).sum(1).tolist()))))
+        return tokens, labels
+
+    monkeypatch.setattr(recall, "mqar", recording_mqar)
+    config = RecallConfig(vocab_size=32, seq_len=16, num_pairs=2, steps=2, batch_size=4, test_size=4, hidden_size=16,
+                          num_layers=1, dense_fraction=1.0)
+    recall.run_recall("lstm", config, log=lambda *_: None)
+    assert seen == [(0.0, [2]), (1.0, [12]), (1.0, [12])]  # the test set first, then 2 dense training batches
+
+
 def test_mqar_rejects_impossible_sizes():
     with pytest.raises(ValueError, match="3 \\* num_pairs <= seq_len"):
         mqar(1, 10, 4, 64)
@@ -28,6 +71,8 @@ def test_mqar_rejects_impossible_sizes():
         mqar(1, 64, 20, 16)
     with pytest.raises(ValueError, match="RecallConfig.steps"):
         RecallConfig(steps=0)
+    with pytest.raises(ValueError, match="RecallConfig.dense_fraction"):
+        RecallConfig(dense_fraction=1.5)
     with pytest.raises(ValueError, match="unknown recall model"):
         recall_model("bilinear-lstm", RecallConfig())
 

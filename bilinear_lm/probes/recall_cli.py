@@ -8,6 +8,9 @@ resumes from its results file, and writes a markdown table.
         --seq-len 64 --steps 600 --output-dir runs/recall
     bilinear-recall --models llama,bilinear --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 \
         --lr 1e-3,3e-3,1e-2 --warmup-steps 100 --extra '{"conv_width": 2}' --output-dir runs/recall_sweep
+    # the calibrated protocol (docs/recall-calibration.md): half the training sequences dense, Llama 1.000 at 4 pairs
+    bilinear-recall --models llama --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 --state-size 16 \
+        --steps 1500 --warmup-steps 200 --lr 1e-3 --dense-fraction 0.5 --output-dir runs/recall_dense
 """
 from __future__ import annotations
 
