@@ -10,7 +10,7 @@ import torch
 from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel
 from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES
 from bilinear_lm.probes import (MODEL_NAMES, ProbeConfig, build_probe_model, class_logits, evaluate, make_task,
-                                run_probe, state_consistency_loss)
+                                read_states, run_probe, state_consistency_loss)
 from bilinear_lm.probes import cli as st
 from bilinear_lm.probes import report
 
@@ -311,6 +311,26 @@ def test_state_consistency_reads_the_states_the_model_reads_out():
     state_consistency_loss(out.mixer_states, y, task.num_classes).backward()
     for p in (mixer.transition.W2, mixer.in_proj.weight, mixer.h_start):  # through the scan, the input factors and the start state
         assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_state_consistency_reads_h_without_the_write_coordinate():
+    """With the write channel (vector or matrix state) the center loss compares every column's h, not the write
+    coordinate c: c is the same whatever the label, and a loss that counted it was met by letting c outgrow h."""
+    task = make_task("random_fsm", 4)
+    for P in (1, 2):
+        config = dataclasses.replace(TINY_CONFIG, write_channel=True, state_columns=P)
+        model, _ = build_probe_model("bilinear-cp", task, config)
+        x, y = task.sample(3, 6, torch.Generator().manual_seed(0))
+        (states,) = model(input_ids=x, use_cache=False, output_mixer_states=True).mixer_states
+        assert states.shape == (3, 6, 1, P * 9)
+        (h,) = read_states((states,), model.config)
+        torch.testing.assert_close(h, states.unflatten(-1, (P, 9))[..., :8].flatten(-2))
+        grown = states.unflatten(-1, (P, 9)).clone()
+        grown[..., 8:] *= 1e3  # c outgrows h: the loss does not move
+        torch.testing.assert_close(state_consistency_loss(read_states((grown.flatten(-2),), model.config), y, 4),
+                                   state_consistency_loss((h,), y, 4))
+    plain, _ = build_probe_model("bilinear-cp", task, TINY_CONFIG)
+    assert read_states((states,), plain.config)[0] is states  # no write channel: the states as they are
 
 
 def test_state_consistency_changes_training_and_is_recorded(tmp_path):
