@@ -355,7 +355,8 @@ def test_packing_a_batch_at_a_time_equals_a_naive_packing_of_the_token_stream(tm
 
 
 def test_streaming_tokenizes_in_batches_of_the_same_size_as_the_map_style_path(tmp_path, monkeypatch):
-    """Both paths ask `tokenizing_rows` for about TOKENIZE_CHARS characters a batch (the stream from its head)."""
+    """Both paths ask `tokenizing_rows` for about TOKENIZE_CHARS characters a batch (the stream from its head); the
+    stream packs each batch as one stream (memory bounded by a batch), the map-style path the whole split."""
     monkeypatch.setattr(D, "TOKENIZE_CHARS", 300)
     docs = [f"document {i:03d} of the same length.\n" for i in range(100)]  # 33 characters each: 9 rows a batch
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -375,6 +376,11 @@ def test_streaming_tokenizes_in_batches_of_the_same_size_as_the_map_style_path(t
     assert D.tokenizing_rows(D._n_chars(raw["validation"]) / len(raw["validation"])) == 9
     encoder = D._encoder
     monkeypatch.setattr(D, "_encoder", lambda tokenizer: Recording(encoder(tokenizer)))
-    stream = D.tokenize_and_pack(D.DatasetDict({"train": raw["train"]}), tok, block_size=16)["train"]
-    assert _rows(stream) == _rows(D.tokenize_and_pack(raw, tok, block_size=16, num_proc=1)["validation"])
+    stream = _rows(D.tokenize_and_pack(D.DatasetDict({"train": raw["train"]}), tok, block_size=16)["train"])
     assert calls == [9] * 11 + [1]  # (the validation split is tokenized in a worker process: not seen here)
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    groups = [sum(ids[i:i + 9], []) for i in range(0, len(ids), 9)]  # each batch one stream, its tail dropped
+    assert stream == [g[j:j + 16] for g in groups for j in range(0, len(g) // 16 * 16, 16)]
+    whole = sum(ids, [])
+    assert _rows(D.tokenize_and_pack(raw, tok, block_size=16, num_proc=1)["validation"]) == \
+        [whole[j:j + 16] for j in range(0, len(whole) // 16 * 16, 16)]

@@ -450,7 +450,9 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
     processes (batches of about TOKENIZE_CHARS characters) into the `datasets` cache on disk, then packed by this
     process from those memory-mapped rows, about PACK_TOKENS tokens at a time (`_Packer`), into the cache too (a
     second call with the same text, tokenizer and options loads it from there); an `IterableDataset` split
-    (streaming) is tokenized in batches of the same size and packed as it is iterated, into the same blocks.
+    (streaming) is tokenized in batches of the same size and packed as it is iterated, each such batch as one stream
+    (its tail under a block dropped): the same blocks where the data fit in one batch, and memory bounded by a batch
+    for a stream of books.
     """
     eos = tokenizer.eos_token_id if add_eos else None
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
@@ -468,7 +470,8 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, add_eos: boo
         if isinstance(ds, IterableDataset):
             rows = tokenizing_rows(_head_chars_per_row(ds))
             toks = ds.map(tokenize, batched=True, batch_size=rows, remove_columns=["text"], features=features)
-            out[split] = toks.with_format("arrow").map(_pack, batched=True, batch_size=PACK_ROWS,
+            # packed per tokenizing batch (~TOKENIZE_CHARS): a stream of books must not be read whole into one group
+            out[split] = toks.with_format("arrow").map(_pack, batched=True, batch_size=rows,
                                                        fn_kwargs={"block_size": block_size}).with_format(None)
             continue
         rows = tokenizing_rows(_n_chars(ds) / max(len(ds), 1))
