@@ -160,7 +160,7 @@ def main(argv=None) -> None:
                 for peak in r["peak_mib"]]
         lines.append(f"| {n} | {r['load_s']:.1f} | {r['tokenize_s']:.1f} | {r['cpu_s'][0]:.1f} + {r['cpu_s'][1]:.1f} | "
                      f"{sum(r['cpu_s']) / r['tokenize_s']:.2f} | {r['loaded_mib']:.0f} | {r['peak_mib'][0]:.0f} | "
-                     f"{r['peak_mib'][1]:.0f} | {' / '.join(over)} | {r['tokens']:,} | {r['blocks_bytes'] / mib:.1f} | "
+                     f"{r['peak_mib'][1]:.0f} | {' / '.join(over)} | {r['tokens']:,} | {blocks_mib:.1f} | "
                      f"{r['cache_bytes'] / mib:.1f} |")
     table = "\n".join(lines)
     print(table)

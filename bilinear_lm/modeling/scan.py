@@ -41,6 +41,7 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
     keep4 = keep[:, None, :, None] if keep.numel() else None
     restart4 = restart[:, None, :, None] if restart.numel() else None
     p_start = p_start.repeat(1, B // columns, 1) if restart.numel() else p_start  # [N, B, R]: each row's column
+    has_write = write.numel() > 0
 
     def run(t0, t1, every_step, G, P, S):
         for t in range(t0, t1):
@@ -50,13 +51,13 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
             keep_t = None if keep4 is None else keep4[t]
             if every_step or is_boundary(chunk, offset, t):
                 h = torch.einsum("nhr,nbr->nbh", W1, g)
-                if write.numel():  # [h; c] = [W1 g + v e; gamma e]
+                if has_write:  # [h; c] = [W1 g + v e; gamma e]
                     e = g[..., -1:]
                     h = torch.cat([h + v[t] * e, write[t][..., -1:] * e], dim=-1)
                 S[t] = scale_at_boundary(h, keep_t, columns, rows_dim=-2)
                 g.mul_(S[t])
             torch.bmm(g, Mt, out=P[t + 1])
-            if write.numel():
+            if has_write:
                 P[t + 1].addcmul_(g[..., -1:], write[t])
             if keep_t is not None:
                 torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
@@ -80,10 +81,11 @@ def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
     restart4 = restart[:, None, :, None] if restart.numel() else None
     dp = torch.zeros_like(su[0])
     dp_start = torch.zeros_like(su[0])
+    has_write = write.numel() > 0
     for t in range(su.shape[0] - 1, -1, -1):
         DP[t] = dp if keep4 is None else torch.where(keep4[t], dp, 0.0)
         torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-        if write.numel():  # e_t = g_t[-1] wrote e_t write_t into p_t
+        if has_write:  # e_t = g_t[-1] wrote e_t write_t into p_t
             DGT[t][..., -1:] += (write[t] * DP[t]).sum(-1, keepdim=True)
         dp = su[t] * DGT[t] if keep4 is None else su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
         if restart4 is not None:  # this step's input was p_start, not the previous step's output

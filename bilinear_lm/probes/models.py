@@ -25,7 +25,8 @@ from .config import ProbeConfig
 from .tasks import Task
 
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in MIXER_TYPES) + (
-    "hybrid-4", "stack-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2", "mamba-4")
+    "hybrid-4", "stack-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2",
+    "mamba-4")
 
 
 def default_rank(mixer: str, config: ProbeConfig, num_symbols: int) -> int:
@@ -64,12 +65,11 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
         _, cfg = model_spec("bilinear-cp", config, num_symbols)
         return "bilinear", {**cfg, "num_hidden_layers": int(layers)}
     if kind == "hybrid" and layers.isdigit() and int(layers) >= 4:
-        L = int(layers)
-        _, cfg = model_spec("bilinear-cp", config, num_symbols)
+        _, cfg = model_spec(f"stack-{layers}", config, num_symbols)  # the stack, every fourth layer attention
         heads = config.num_heads
         if H % heads:
             raise ValueError(f"hidden_size {H} must be divisible by num_heads {heads} for attention layers")
-        return "bilinear", {**cfg, "num_hidden_layers": L, "layer_types": interleaved_layer_types(L, 4),
+        return "bilinear", {**cfg, "layer_types": interleaved_layer_types(int(layers), 4),
                             "num_attention_heads": heads, "num_key_value_heads": heads}
     if kind in ("transformer", "mamba") and layers.isdigit() and int(layers) >= 1:
         L = int(layers)
