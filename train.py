@@ -10,6 +10,7 @@ Single process, N GPUs (`accelerate launch --multi_gpu --num_processes N`), CPU 
 Reads top to bottom: data -> model and optimizer -> the training loop (log, evaluate, checkpoint) -> finish (save,
 plot, sample, lm-eval) -> main, which calls them in that order -> the command line.
 """
+import gc
 import json
 import math
 import sys
@@ -307,8 +308,18 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
         if cfg.train.eval_lm_harness:
             run_harness(cfg, unwrapped, data.tokenizer, out_dir)
         print(f"saved model, tokenizer and generation config to {out_dir}")
-    accelerator.end_training()
     return final
+
+
+def end_training(accelerator) -> None:
+    """Free the prepared model, then destroy the process group. Order matters under DDP over gloo: the model's
+    Reducer holds the group, and if it is freed last the group's destructor joins gloo's worker thread while holding
+    the GIL, which that thread may need to drop a finished collective's tensors: a deadlock at exit, 1 launch in 5
+    (pytorch/pytorch#56297; docs/results-history.md). Freed first, the group's last reference is the Python one,
+    whose destructor releases the GIL."""
+    accelerator.free_memory()  # drops the accelerator's references to the model, optimizer, scheduler, loaders
+    gc.collect()  # free_memory collects before it drops them; a DDP model is in reference cycles
+    accelerator.end_training()
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -380,7 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator.init_trackers("bilinear_lm", config=flat_config(cfg))
 
     train(cfg, accelerator, model, optimizer, scheduler, data, state, metrics)
-    return finish(cfg, accelerator, model, data, state, metrics, n_params)
+    final = finish(cfg, accelerator, model, data, state, metrics, n_params)
+    del model, optimizer, scheduler, data
+    end_training(accelerator)
+    return final
 
 
 def cli(argv: list[str] | None = None) -> int:

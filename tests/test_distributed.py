@@ -101,7 +101,7 @@ def test_finish_samples_and_evaluates_an_unsharded_copy_only_under_fsdp(tiny_bil
     accelerator = SimpleNamespace(
         distributed_type=DistributedType.FSDP if sharded else DistributedType.NO, num_processes=1,
         is_main_process=True, device=torch.device("cpu"), unwrap_model=lambda m: m, wait_for_everyone=lambda: None,
-        get_state_dict=lambda m: {k: v.clone() for k, v in m.state_dict().items()}, end_training=lambda: None,
+        get_state_dict=lambda m: {k: v.clone() for k, v in m.state_dict().items()},
         gather=lambda t: t)
     cfg = parse_config(["--output_dir", str(tmp_path), "--sample_tokens", "3", "--eval_lm_harness", "lambada"])
     used = {}

@@ -51,11 +51,23 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-# train.py with a hook that writes every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl (run from the repo).
+# train.py with hooks (run from the repo) that write every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl, and
+# the number of DDP models alive when the process group is destroyed to $BATCH_LOG/teardown{i}.json (see
+# train.end_training: a DDP model freed after that can deadlock the exit).
 RECORD_BATCHES = """
-import json, os, sys
+import gc, json, os, sys
+import torch
 sys.path.insert(0, os.getcwd())
 import train
+
+def destroy_process_group(group=None, destroy=torch.distributed.destroy_process_group):
+    gc.collect()
+    alive = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+    with open(os.path.join(os.environ["BATCH_LOG"], f"teardown{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump({"ddp_models_alive": alive}, f)
+    destroy(group)
+
+torch.distributed.destroy_process_group = destroy_process_group
 
 def recorded(accelerator, train_dl, state, micro_batches=train.micro_batches):
     with open(os.path.join(os.environ["BATCH_LOG"], f"rank{accelerator.process_index}.jsonl"), "a") as f:
@@ -599,6 +611,9 @@ def test_two_rank_cpu_ddp(runs):
     assert "2 processes (MULTI_CPU), global batch 8 sequences = batch_size 4 x 2 processes" in stdout
     final = records[-1]
     assert final["num_processes"] == 2 and final["params_identical_across_ranks"] is True
+    # the DDP model is freed before the process group is destroyed, on every rank (train.end_training)
+    assert [json.loads((runs.batch_log / f"teardown{i}.json").read_text()) for i in (0, 1)] == \
+        [{"ddp_models_alive": 0}] * 2
     assert {p.name for p in (runs.ddp_dir / "checkpoints" / "step_4").iterdir()} >= {
         "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "manifest.json", "training_config.json",
         "CHECKPOINT_COMPLETE"}
