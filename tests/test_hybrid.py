@@ -185,6 +185,23 @@ def test_interleaved_layer_types():
         interleaved_layer_types(4, 0)
 
 
+def test_output_projections_start_scaled_down_with_depth(tiny_bilinear_config):
+    """GPT-2's init: every block's output projection (the mixers' and the attention layers') has std
+    initializer_range / sqrt(2 * layers), the other projections initializer_range."""
+    config = hybrid_config(tiny_bilinear_config, hidden_size=256, num_hidden_layers=8, num_heads=4,
+                           num_attention_heads=4, num_key_value_heads=4, conv_width=0,
+                           layer_types=interleaved_layer_types(8, 2))
+    torch.manual_seed(0)
+    model = BilinearForCausalLM(config)
+    scaled = config.initializer_range / math.sqrt(2 * config.num_hidden_layers)
+    for layer in model.model.layers:
+        mixing = getattr(layer, "attention", None) or layer.mixer
+        out = mixing.o_proj if hasattr(mixing, "o_proj") else mixing.out_proj
+        assert out.weight.std().item() == pytest.approx(scaled, rel=0.05)
+        if hasattr(mixing, "q_proj"):
+            assert mixing.q_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.05)
+
+
 def test_save_reload_and_remote_code_without_the_package(tiny_bilinear_config, tmp_path):
     model = build(hybrid_config(tiny_bilinear_config)).float()
     model.save_pretrained(tmp_path / "ckpt")

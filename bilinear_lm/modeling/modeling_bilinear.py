@@ -285,6 +285,7 @@ class BilinearAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj.scale_init_with_depth = True  # read by _init_weights
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
         """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's mask, or None), cache) -> [B,T,D]``."""
@@ -437,8 +438,10 @@ class BilinearPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
         elif isinstance(module, BilinearShortConv):
             init.zeros_(module.weight)
-        elif isinstance(module, BilinearAttention):  # scaled down with depth, as the mixers' output projections
-            init.normal_(module.o_proj.weight, mean=0.0,
+        elif isinstance(module, nn.Linear) and getattr(module, "scale_init_with_depth", False):
+            # the attention's output projection, scaled down with depth as the mixers' are. Marked on the Linear:
+            # transformers skips the init of a custom-code module with no parameters of its own (BilinearAttention)
+            init.normal_(module.weight, mean=0.0,
                          std=self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers))
 
     @classmethod
