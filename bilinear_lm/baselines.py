@@ -169,6 +169,9 @@ class LSTMLanguageModel(PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.embed = value
 
+    def get_output_embeddings(self):
+        return self.head
+
     def forward(self, input_ids, labels=None, **_) -> CausalLMOutput:
         hidden, _ = self.lstm(self.embed(input_ids))
         logits = self.head(hidden)

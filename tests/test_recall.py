@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bilinear_lm.probes import recall
-from bilinear_lm.probes.recall import (IGNORE, RecallConfig, held_out_set, mqar, query_accuracy, recall_model,
-                                       train_batch)
+from bilinear_lm.probes.recall import (IGNORE, RECALL_MODELS, RecallConfig, held_out_set, mqar, query_accuracy,
+                                       recall_model, train_batch)
 from bilinear_lm.probes.report import recall_table
 
 
@@ -141,3 +141,13 @@ def test_recall_lr_sweep_reports_the_best_lr_per_model_and_pairs(tmp_path):
     runs += [dict(r, seed=1, test_acc=0.0) for r in runs]  # seed 1: best lr 1e-3 at 2 pairs
     assert recall_table(runs).splitlines()[2].endswith("| 0.250 (lr 0.001) (n=2) | 0.500 (lr 0.001, 0.01) (n=2) |")
 
+
+
+def test_every_recall_model_has_untied_output_embeddings():
+    """Tied, the bilinear stack's 2-layer attention model stayed at 1 / pairs where Llama (untied) recalled: every
+    model is built alike, with its own output matrix."""
+    config = RecallConfig(num_pairs=2, seq_len=16, vocab_size=32, hidden_size=16, state_size=4, num_heads=2)
+    for name in RECALL_MODELS:
+        model = recall_model(name, config)
+        out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        assert out.data_ptr() != inp.data_ptr(), name
