@@ -2,6 +2,7 @@
 the CLI around it (bilinear_lm.probes.cli: single runs, sweeps; report: tables, plots), at tiny budgets."""
 import dataclasses
 import json
+import math
 import time
 
 import pytest
@@ -142,6 +143,18 @@ def test_run_probe_refuses_bad_input_before_training():
         run_probe("parity", "lstm", 0, TINY_CONFIG)
     with pytest.raises(ValueError, match="lstm has none"):
         run_probe(task, "lstm", 0, dataclasses.replace(TINY_CONFIG, state_consistency=1.0))
+
+
+def test_state_consistency_on_a_hybrid_reads_its_bilinear_layers_only():
+    """hybrid-4 (3 bilinear layers, then attention): the center loss is the loss of its 3 bilinear layers' states."""
+    task = make_task("parity")
+    config = dataclasses.replace(TINY_CONFIG, state_consistency=1.0, steps=2, eval_every=2)
+    record = run_probe(task, "hybrid-4", 0, config, log=lambda *_: None)
+    assert math.isfinite(record["history"][-1]["consistency_loss"])
+    model, _ = build_probe_model("hybrid-4", task, config)
+    x, y = task.sample(4, 6, torch.Generator().manual_seed(0))
+    states = model(input_ids=x, use_cache=False, output_mixer_states=True).mixer_states
+    assert len(states) == 3 and all(h.shape[:2] == y.shape for h in states)
 
 
 def test_cli_maps_its_flags_onto_the_probe_config():

@@ -35,7 +35,7 @@ def check_state_consistency(task: Task, model_name: str, weight: float) -> None:
     """Refuse a state-consistency weight for a model without a bilinear state or a task whose labels merge states."""
     if weight == 0:
         return
-    if not model_name.startswith("bilinear-"):
+    if model_name.split("-")[0] not in ("bilinear", "stack", "hybrid"):  # hybrid-N: its bilinear layers' states
         raise ValueError(f"state_consistency reads the bilinear recurrent state; {model_name} has none (set it to 0: "
                          "drop --state-consistency)")
     if task.automaton.outputs.unique().numel() != task.automaton.num_states:
