@@ -92,17 +92,18 @@ def test_prefill_then_cached_steps_equal_full_forward(model):
 
 
 def test_beam_search_runs_and_beats_or_ties_greedy(model):
-    prompt = torch.randint(1, model.config.vocab_size, (2, 5))
-    beams = model.generate(prompt, max_new_tokens=6, num_beams=4, do_sample=False, length_penalty=0.0,
+    torch.manual_seed(1)
+    prompt = torch.randint(1, model.config.vocab_size, (3, 5))
+    beams = model.generate(prompt, max_new_tokens=8, num_beams=4, do_sample=False, length_penalty=0.0,
                            output_scores=True, return_dict_in_generate=True)
-    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    greedy = model.generate(prompt, max_new_tokens=8, do_sample=False)
 
     def logprob(seqs):
         with torch.no_grad():
             logp = model(seqs).logits.log_softmax(-1)[:, 4:-1]
         return logp.gather(-1, seqs[:, 5:, None]).sum((1, 2))
 
-    assert beams.sequences.shape == (2, 11)
+    assert beams.sequences.shape == (3, 13)
     assert (logprob(beams.sequences) >= logprob(greedy) - 1e-9).all()
     torch.testing.assert_close(beams.sequences_scores.double(), logprob(beams.sequences), rtol=1e-5, atol=1e-5)
 

@@ -59,7 +59,7 @@ def test_the_cache_is_transformers_dynamic_cache_with_one_layer_type_per_layer(t
     assert cache.layers[1].keys.shape[-2] == 8 and cache.layers[2].keys.shape[-2] == WINDOW - 1
 
 
-def test_full_forward_equals_the_token_by_token_cached_loop_with_left_padding(tiny_bilinear_config):
+def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_with_left_padding(tiny_bilinear_config):
     model = build(hybrid_config(tiny_bilinear_config))
     ids, mask = left_padded(60, [14, 9, 5])
     with torch.no_grad():
@@ -69,9 +69,11 @@ def test_full_forward_equals_the_token_by_token_cached_loop_with_left_padding(ti
             out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             steps.append(out.logits)
+        alone = [model(row[m.bool()][None]).logits[0] for row, m in zip(ids, mask)]  # each row without padding
     stepped = torch.cat(steps, 1)
     valid = mask.bool()
     torch.testing.assert_close(stepped[valid], full[valid], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(full[valid], torch.cat(alone), rtol=1e-10, atol=1e-10)
 
 
 def reference_attention(attention, config, x, visible):

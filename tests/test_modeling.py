@@ -226,11 +226,11 @@ def test_mixer_states_are_the_recurrence_states(tiny_bilinear_config):
 
 
 @pytest.mark.parametrize("preset,changes", [("tiny", {}), ("tiny", {"write_channel": True, "state_columns": 4}),
-                                            ("tiny-hybrid", {})], ids=["pure", "matrix-state", "hybrid"])
+                                            ("tiny-hybrid", {"conv_width": 4})], ids=["pure", "matrix-state", "hybrid"])
 def test_torch_compile_traces_a_training_step_of_a_preset_in_one_graph(preset, changes):
     """The scans are custom ops with fake implementations: the whole forward and backward trace as one graph
     (``fullgraph=True`` fails on any graph break), and the compiled step's loss and gradients equal eager mode; for the
-    tiny preset, its matrix state, and the hybrid preset (3 bilinear layers : 1 attention layer)."""
+    tiny preset, its matrix state, and the hybrid preset (3 bilinear layers : 1 attention layer) with convolutions."""
     import yaml
 
     from conftest import REPO_ROOT

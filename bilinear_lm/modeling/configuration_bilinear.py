@@ -53,8 +53,9 @@ class BilinearConfig(PreTrainedConfig):
     position, and on CPU when `rank > 2 * state_size` (the scans work in rank space at `rank^2` per step, the loop
     at `2 * rank * state_size`).
 
-    `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input
-    (zero-initialized, so training starts from the model without it; `0` disables it). It leaves the recurrence
+    `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input,
+    a hybrid's attention layers included (zero-initialized, so training starts from the model without it; `0`
+    disables it). It leaves the recurrence
     untouched: the cache also holds each layer's last `conv_width - 1` inputs.
 
     `write_channel=True` (CP only) gives each head one more state coordinate `c` with

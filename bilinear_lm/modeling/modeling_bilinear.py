@@ -73,15 +73,17 @@ class BilinearCache(DynamicCache):
 
     Subclassed for what belongs to the whole model rather than to a layer, reordered with the layers:
     ``follows_eos`` (``[batch]`` bool, ``reset_state_at_eos``: the last token was EOS) and ``document_start``
-    (``[batch]`` long: where the current document began, which the attention layers' mask needs); and for
-    ``get_seq_length``, which ``DynamicCache`` asks of an attention layer, absent from a pure bilinear model: here every
-    layer answers.
+    (``[batch]`` long: where the current document began, which the attention layers' mask needs); for the attention
+    layers' convolution windows (``attention_conv_windows``: layer index -> ``[batch, conv_width - 1, hidden]``),
+    for which transformers' attention cache layers have no place; and for ``get_seq_length``, which
+    ``DynamicCache`` asks of an attention layer, absent from a pure bilinear model: here every layer answers.
     """
 
     def __init__(self, config: BilinearConfig):
         super().__init__(config=config)
         self.follows_eos: torch.Tensor | None = None
         self.document_start: torch.Tensor | None = None
+        self.attention_conv_windows: dict[int, torch.Tensor] = {}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of positions consumed so far (padding included)."""
@@ -94,6 +96,8 @@ class BilinearCache(DynamicCache):
             self.follows_eos = self.follows_eos.index_select(0, beam_idx.to(self.follows_eos.device))
         if self.document_start is not None:
             self.document_start = self.document_start.index_select(0, beam_idx.to(self.document_start.device))
+        for layer_idx, window in self.attention_conv_windows.items():
+            self.attention_conv_windows[layer_idx] = window.index_select(0, beam_idx.to(window.device))
 
 
 @dataclass
@@ -354,15 +358,26 @@ class BilinearBlock(PreNormBlock):
 
 
 class BilinearAttentionBlock(PreNormBlock):
-    """A hybrid's attention layer: ``x + Attention(norm(x))``, then the same MLP as the bilinear blocks."""
+    """A hybrid's attention layer: ``x + Attention(conv(norm(x)))`` (the short convolution only with
+    ``conv_width``), then the same MLP as the bilinear blocks. The convolution gives the keys and values the previous
+    tokens, which a bilinear layer below does not pass on: without it a 2-layer hybrid stayed at ``1 / pairs`` on
+    associative recall, with it it recalled (docs/results.md, hybrids)."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
-        super().__init__(config, layer_idx, attention=BilinearAttention(config, layer_idx))
+        super().__init__(config, layer_idx,
+                         conv=BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None,
+                         attention=BilinearAttention(config, layer_idx))
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
-        """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache) -> hidden``."""
-        hidden_states = hidden_states + self.attention(self.mixer_norm(hidden_states), position_embeddings,
-                                                       attention_mask, cache)
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, mask=None, reset=None):
+        """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache, mask [B,T] (padding, for the
+        convolution), reset [B,T] (document starts)) -> hidden``."""
+        attention_input = self.mixer_norm(hidden_states)
+        if self.conv is not None:
+            window = cache.attention_conv_windows.get(self.layer_idx) if cache is not None else None
+            attention_input, window = self.conv(attention_input, window, mask, reset)
+            if cache is not None:
+                cache.attention_conv_windows[self.layer_idx] = window
+        hidden_states = hidden_states + self.attention(attention_input, position_embeddings, attention_mask, cache)
         return self.mlp_residual(hidden_states)
 
 
@@ -586,7 +601,7 @@ class BilinearModel(BilinearPreTrainedModel):
                 if output_mixer_states:
                     all_mixer_states += (states,)
             else:
-                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values)
+                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset)
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
