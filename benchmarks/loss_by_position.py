@@ -75,6 +75,12 @@ def loss_by_book_position(model, books: list[torch.Tensor], edges: list[int], wi
     return sums / counts.clamp_min(1), counts, mode if mode == "streaming" else f"strided {window}/{window // 2}"
 
 
+def clip_edges(edges: list[int], max_tokens: int) -> list[int]:
+    """Bin edges for positions 1..max_tokens: the last bin ends at the last position scored (no bin past it, none
+    of a single position)."""
+    return [e for e in edges if e < max_tokens] + [max_tokens + 1]
+
+
 def read_books(path: str, tokenizer, max_tokens: int | None) -> list[torch.Tensor]:
     """Each JSON line's ``text``, encoded as the perplexity protocols expect (a prefix token first), cut to
     ``max_tokens`` targets."""
@@ -113,6 +119,8 @@ def main(argv=None) -> int:
 
     edges = [int(e) for e in (args.edges or ("1,512,2048,8192,32768,131072" if args.books
                                              else "1,16,64,128,256,512")).split(",")]
+    if args.books and args.max_tokens:
+        edges = clip_edges(edges, args.max_tokens)
     if args.train_file:
         raw = load_raw_text(dataset=None, dataset_config=None, train_file=args.train_file, validation_file=None,
                             text_column="text", val_fraction=args.val_fraction)

@@ -213,3 +213,8 @@ def test_loss_by_book_position_streams_a_recurrent_model_and_windows_attention(t
         assert used == protocol
         assert counts.tolist() == [3 + 3, 12 + 8, 29 - 15]  # targets 1..29 and 1..11 by position
         torch.testing.assert_close((losses * counts).sum().item(), sum(total(model, ids) for ids in books))
+
+
+def test_book_bins_end_at_the_last_position_scored():
+    assert loss_by_position.clip_edges([1, 512, 2048, 8192, 32768, 131072], 32768) == [1, 512, 2048, 8192, 32769]
+    assert loss_by_position.clip_edges([1, 512, 2048], 4096) == [1, 512, 2048, 4097]
