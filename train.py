@@ -232,8 +232,13 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
         state.train_seconds += time.time() - t_mark
         pbar.update(1)
         last = state.step == cfg.train.max_steps
-        if state.step % cfg.train.log_interval == 0 or last:
+        saving = bool(cfg.train.save_interval) and state.step % cfg.train.save_interval == 0
+        logging = state.step % cfg.train.log_interval == 0 or last
+        if logging or saving:  # the same value on every rank: every rank stops, or none
             train_loss = accelerator.reduce(sum(micro_losses) / len(micro_losses), reduction="mean").item()
+            if not math.isfinite(train_loss):  # before a diverged model is logged, evaluated or saved
+                raise TrainingInputError(diverged_message(cfg, state.step, train_loss))
+        if logging:
             tokens_per_sec = (tokens_per_step * (state.step - logged_step)
                               / max(state.train_seconds - logged_seconds, 1e-9))
             metrics.log({"step": state.step, "loss": train_loss, "lr": lr, "train_seconds": state.train_seconds,
@@ -248,7 +253,7 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
             metrics.log(record)
             if accelerator.is_local_main_process:
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
-        if cfg.train.save_interval and state.step % cfg.train.save_interval == 0:
+        if saving:
             save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer, cfg,
                             total_limit=cfg.train.save_total_limit,
                             data_state=data.stream.state_dict() if data.stream is not None else None)
@@ -256,6 +261,16 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
         if last:
             break
     pbar.close()
+
+
+def diverged_message(cfg: Config, step: int, loss: float) -> str:
+    """The error of a run whose training loss stopped being finite: where, what is kept, and what to do."""
+    kept = find_checkpoint(cfg.train.output_dir, "latest", warn=lambda _: None)
+    resume = (f"the last checkpoint, {kept}, is from before it: resume from it with --resume_from_checkpoint latest "
+              f"--allow_config_change and a lower --learning_rate" if kept is not None
+              else "no checkpoint was saved: start again with a lower --learning_rate")
+    return (f"the training loss is {loss} at step {step} (learning rate {cfg.train.learning_rate:g}): the run "
+            f"diverged and stops here; {resume} (or a smaller --grad_clip)")
 
 
 # ----------------------------------------------------------------------------------------------- finish

@@ -629,3 +629,24 @@ def test_two_rank_cpu_ddp_fails_on_every_rank_when_the_main_one_fails(runs):
     assert "error: building the tokenizer failed on process 0 (its error is printed above); stopping process 1 too" \
         in out, out[-4000:]
     assert "[rank1]: Traceback" not in out and "Connection closed by peer" not in out, out[-4000:]
+
+
+def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(small_text, tmp_path, capsys):
+    """At lr 1e8 the loss is NaN within a few steps: train.py stops there (not after max_steps of NaN), saves no
+    checkpoint and no model of the diverged weights, and names the last checkpoint to resume from."""
+    import train
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    assert train.cli(tiny_args(small_text, out, learning_rate=1e8, max_steps=30, save_interval=2, log_interval=5,
+                               eval_interval=0, sample_tokens=0)) == 1
+    err = capsys.readouterr().err
+    match = re.search(r"error: the training loss is nan at step (\d+) \(learning rate 1e\+08\): the run diverged "
+                         r"and stops here; the last checkpoint, (.*step_(\d+)), is from before it: resume from it with "
+                         r"--resume_from_checkpoint latest --allow_config_change and a lower --learning_rate \(or a "
+                         r"smaller --grad_clip\)\n", err)  # after the progress bar (tqdm writes to stderr)
+    assert match and err.count("error:") == 1 and "Traceback" not in err, err
+    nan_step, checkpoint, saved_step = int(match[1]), match[2], int(match[3])
+    assert saved_step < nan_step < 30
+    assert all(torch.isfinite(t).all() for t in load_file(f"{checkpoint}/model.safetensors").values())
+    assert not (out / "model.safetensors").exists()
