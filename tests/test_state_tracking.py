@@ -145,6 +145,14 @@ def test_run_probe_refuses_bad_input_before_training():
         run_probe(task, "lstm", 0, dataclasses.replace(TINY_CONFIG, state_consistency=1.0))
 
 
+def test_a_hybrid_with_an_attention_window_has_sliding_attention_layers():
+    task = make_task("parity")
+    model, cfg = build_probe_model("hybrid-4", task, dataclasses.replace(TINY_CONFIG, attention_window=3))
+    assert model.config.layer_types == ["bilinear"] * 3 + ["sliding_attention"] and model.config.sliding_window == 3
+    with pytest.raises(ValueError, match="ProbeConfig.attention_window must be None"):
+        dataclasses.replace(TINY_CONFIG, attention_window=0)
+
+
 def test_state_consistency_on_a_hybrid_reads_its_bilinear_layers_only():
     """hybrid-4 (3 bilinear layers, then attention): the center loss is the loss of its 3 bilinear layers' states."""
     task = make_task("parity")

@@ -56,6 +56,8 @@ class ProbeConfig:
                                         "(BilinearConfig.write_channel)")
     state_columns: int = option(1, "bilinear: columns of each head's matrix state (BilinearConfig.state_columns)")
     num_heads: int = option(4, "attention heads (transformer-N, and the attention layers of hybrid-N)")
+    attention_window: int | None = option(None, "hybrid-N: its attention layers see only this many positions "
+                                                "(sliding-window attention; default: full attention)")
     verbose: bool = option(False, "log every validation")
 
     def __post_init__(self):
@@ -79,6 +81,8 @@ class ProbeConfig:
                 raise bad(name, "an integer >= 1")
         if self.rank is not None and (not is_int(self.rank) or self.rank < 1):
             raise bad("rank", "None (the default rank) or an integer >= 1")
+        if self.attention_window is not None and (not is_int(self.attention_window) or self.attention_window < 1):
+            raise bad("attention_window", "None (full attention) or an integer >= 1")
         for name in ("lr", "max_seconds"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
