@@ -142,7 +142,6 @@ def test_recall_lr_sweep_reports_the_best_lr_per_model_and_pairs(tmp_path):
     assert recall_table(runs).splitlines()[2].endswith("| 0.250 (lr 0.001) (n=2) | 0.500 (lr 0.001, 0.01) (n=2) |")
 
 
-
 def test_every_recall_model_has_untied_output_embeddings():
     """Tied, the bilinear stack's 2-layer attention model stayed at 1 / pairs where Llama (untied) recalled: every
     model is built alike, with its own output matrix."""

@@ -55,8 +55,8 @@ class BilinearConfig(PreTrainedConfig):
 
     `conv_width > 1` puts a short causal depthwise convolution with a residual, `x + conv(x)`, on each mixer's input,
     a hybrid's attention layers included (zero-initialized, so training starts from the model without it; `0`
-    disables it). It leaves the recurrence
-    untouched: the cache also holds each layer's last `conv_width - 1` inputs.
+    disables it). It leaves the recurrence untouched: the cache also holds each layer's last `conv_width - 1`
+    inputs.
 
     `write_channel=True` (CP only) gives each head one more state coordinate `c` with
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
