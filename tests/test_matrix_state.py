@@ -188,8 +188,8 @@ def test_the_decoding_step_of_columns_equals_the_reference_step(write):
         torch.testing.assert_close(got[:, 0], want, rtol=1e-12, atol=1e-12)
 
 
-def test_columns_need_a_power_of_two_and_no_coupled_write():
+def test_columns_need_a_power_of_two_and_no_additive_input():
     with pytest.raises(ValueError, match="state_columns must be a power of two"):
         BilinearConfig(state_columns=3)
-    with pytest.raises(ValueError, match="coupled_write"):
-        BilinearConfig(write_channel=True, coupled_write=True, state_columns=4)
+    with pytest.raises(ValueError, match="works without additive_input"):
+        BilinearConfig(additive_input=True, state_columns=4)

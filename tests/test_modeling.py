@@ -26,14 +26,13 @@ def test_auto_classes_are_registered(tiny_bilinear_config):
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied by default
 
 
-@pytest.mark.parametrize("write_channel,coupled_write", [(False, False), (True, False), (True, True)])
-def test_chunked_normalization_does_not_change_logits(tiny_bilinear_config, write_channel, coupled_write):
+@pytest.mark.parametrize("write_channel", [False, True])
+def test_chunked_normalization_does_not_change_logits(tiny_bilinear_config, write_channel):
     """Exact scale invariance, also with the write channel: ``[h; c]`` is normalized together."""
     ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 40))
     logits = {}
     for chunk in (0, 1, 7):
-        model = build(with_changes(tiny_bilinear_config, norm_chunk_size=chunk, write_channel=write_channel,
-                                   coupled_write=coupled_write),
+        model = build(with_changes(tiny_bilinear_config, norm_chunk_size=chunk, write_channel=write_channel),
                       torch.float64)
         with torch.no_grad():
             logits[chunk] = model(ids).logits
@@ -165,8 +164,6 @@ def test_config_rejects_nonsense_naming_the_field(field, value):
 def test_config_rejects_incompatible_block_sizes():
     with pytest.raises(ValueError, match="write_channel needs mixer_type='cp'"):
         BilinearConfig(mixer_type="full", write_channel=True)
-    with pytest.raises(ValueError, match="coupled_write needs write_channel=True"):
-        BilinearConfig(coupled_write=True)
     with pytest.raises(ValueError, match="block_size"):
         BilinearConfig(mixer_type="block_diagonal", state_size=10, block_size=3)
     with pytest.raises(ValueError, match="even"):
@@ -334,9 +331,8 @@ def _packed_documents(vocab_size, lengths, seed=0):
 
 @pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
 @pytest.mark.parametrize("changes", [{}, {"conv_width": 3}, {"write_channel": True},
-                                     {"write_channel": True, "coupled_write": True},
                                      {"write_channel": True, "state_columns": 4}],
-                         ids=["pure", "conv", "write", "coupled-write", "matrix-state"])
+                         ids=["pure", "conv", "write", "matrix-state"])
 def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config, impl, changes):
     config = with_changes(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS, recurrence_impl=impl,
                           **changes)

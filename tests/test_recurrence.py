@@ -227,33 +227,18 @@ def _write_channel_case(**changes):
     return mixer, x, mask, raw[..., :3] + mixer.transition.factor_bias, raw[..., 3:]
 
 
-def test_write_channel_follows_its_block_transition_matrices():
-    """``[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly from the mixer's parameters."""
-    mixer, x, mask, u, write = _write_channel_case()
-    N, H = 2, 4
-    with torch.no_grad():
-        _, states, final = mixer(x, mask=mask, offset=1)
-        A = torch.zeros(2, 7, N, H + 1, H + 1, dtype=torch.float64)
-        A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", mixer.transition.W1, u, mixer.transition.W2)
-        A[..., :H, H] = write[..., :H]
-        A[..., H, H] = write[..., H].exp()
-        expected = explicit_matrix_loop(A, mixer.h_start, mask, 3, 1)
-    torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)
-
-
 @pytest.mark.parametrize("impl", ["reference", *IMPLS])
-def test_coupled_write_follows_its_block_transition_matrices(impl):
-    """``coupled_write``: ``[h; c]_t = [[A(x), W1 (u(x) * w)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly; every
+def test_write_channel_follows_its_block_transition_matrices(impl):
+    """``[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly from the mixer's parameters; every
     recurrence path, states and gradients."""
-    mixer, x, mask, u, write = _write_channel_case(coupled_write=True, recurrence_impl=impl)
+    mixer, x, mask, u, write = _write_channel_case(recurrence_impl=impl)
     N, H = 2, 4
     _, states, final = mixer(x, mask=mask, offset=1)
     A = x.new_zeros(2, 7, N, H + 1, H + 1)
     transition = mixer.transition
     A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", transition.W1, u, transition.W2)
-    A[..., :H, H] = torch.einsum("nir,btnr->btni", transition.W1, u * transition.write_vector)
-    A[..., H, H] = write[..., 0].exp()
+    A[..., :H, H] = write[..., :H]
+    A[..., H, H] = write[..., H].exp()
     with torch.no_grad():
         expected = explicit_matrix_loop(A, mixer.h_start, mask, 3, 1)
     torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
@@ -265,7 +250,7 @@ def test_coupled_write_follows_its_block_transition_matrices(impl):
         unnormalized.append(h)
     unit = lambda s: s / s.norm(dim=-1, keepdim=True)
     probe = torch.randn_like(states)
-    params = [transition.W1, transition.W2, transition.write_vector, mixer.in_proj.weight, mixer.h_start]
+    params = [transition.W1, transition.W2, mixer.in_proj.weight, mixer.h_start]
     got = torch.autograd.grad((unit(states) * probe).sum(), params)
     want = torch.autograd.grad((unit(torch.stack(unnormalized, 1)) * probe).sum(), params)
     for g, w in zip(got, want):

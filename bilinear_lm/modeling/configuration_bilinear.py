@@ -61,8 +61,6 @@ class BilinearConfig(PreTrainedConfig):
     `write_channel=True` (CP only) gives each head one more state coordinate `c` with
     `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
     with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
-    `coupled_write=True` (with the write channel) makes the write reuse the transition's input factors,
-    `b(x) = W1 (u(x) * w)` with a learned `w` (no write projection; the scans run either write at rank `rank + 1`).
     `state_columns = P > 1` makes each head's state a matrix of `P` columns, each transformed by `A(x)`, read out by
     a query, `y = StateNorm(S q(x))` (`P * state_size` floats per head; a power of two). With the write channel the
     write is a key-value outer product through the homogeneous coordinate, `S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`,
@@ -103,7 +101,6 @@ class BilinearConfig(PreTrainedConfig):
     conv_width: int = 0
     write_channel: bool = False
     state_columns: int = 1
-    coupled_write: bool = False
     reset_state_at_eos: bool = False
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
@@ -171,17 +168,15 @@ class BilinearConfig(PreTrainedConfig):
             raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' (or 'identity') without "
                              f"additive_input (it is a CP transition on [h; c]); got mixer_type={self.mixer_type!r}, "
                              f"additive_input={self.additive_input}")
-        if self.mixer_type == "identity" and (not self.write_channel or self.coupled_write):
-            raise ValueError("BilinearConfig.mixer_type='identity' (A = I) needs write_channel=True without "
-                             "coupled_write: without writes its state never changes")
+        if self.mixer_type == "identity" and not self.write_channel:
+            raise ValueError("BilinearConfig.mixer_type='identity' (A = I) needs write_channel=True: without writes "
+                             "its state never changes")
         if self.state_columns & (self.state_columns - 1):
             raise ValueError(f"BilinearConfig.state_columns must be a power of two (1, 2, 4, ...), got "
                              f"{self.state_columns}")
-        if self.state_columns > 1 and (self.additive_input or self.coupled_write):
-            raise ValueError("BilinearConfig.state_columns > 1 works without additive_input and coupled_write (the "
-                             "matrix state's write is the uncoupled write channel's); set them to False")
-        if self.coupled_write and not self.write_channel:
-            raise ValueError("BilinearConfig.coupled_write needs write_channel=True (it is a form of the write channel)")
+        if self.state_columns > 1 and self.additive_input:
+            raise ValueError("BilinearConfig.state_columns > 1 works without additive_input (the matrix state's "
+                             "write is the write channel's); set it to False")
         if self.reset_state_at_eos and self.eos_token_id is None:
             raise ValueError("BilinearConfig.reset_state_at_eos needs eos_token_id (the token that ends a document)")
         if self.hidden_act not in ACTIVATIONS:

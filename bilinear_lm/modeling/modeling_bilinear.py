@@ -75,8 +75,9 @@ class BilinearCache(DynamicCache):
     ``follows_eos`` (``[batch]`` bool, ``reset_state_at_eos``: the last token was EOS) and ``document_start``
     (``[batch]`` long: where the current document began, which the attention layers' mask needs); for the attention
     layers' convolution windows (``attention_conv_windows``: layer index -> ``[batch, conv_width - 1, hidden]``),
-    for which transformers' attention cache layers have no place; and for ``get_seq_length``, which
-    ``DynamicCache`` asks of an attention layer, absent from a pure bilinear model: here every layer answers.
+    for which transformers' attention cache layers have no place (``conv_window`` / ``set_conv_window`` read and
+    write any layer's window); and for ``get_seq_length``, which ``DynamicCache`` asks of an attention layer,
+    absent from a pure bilinear model: here every layer answers.
     """
 
     def __init__(self, config: BilinearConfig):
@@ -98,6 +99,20 @@ class BilinearCache(DynamicCache):
             self.document_start = self.document_start.index_select(0, beam_idx.to(self.document_start.device))
         for layer_idx, window in self.attention_conv_windows.items():
             self.attention_conv_windows[layer_idx] = window.index_select(0, beam_idx.to(window.device))
+
+    def conv_window(self, layer_idx: int) -> torch.Tensor | None:
+        """Layer ``layer_idx``'s convolution window, ``[batch, conv_width - 1, hidden]``, or None before the first."""
+        if isinstance(self.layers[layer_idx], LinearAttentionLayer):
+            window = self.get_conv_state(layer_idx)
+            return None if window is None else window.transpose(1, 2)
+        return self.attention_conv_windows.get(layer_idx)
+
+    def set_conv_window(self, layer_idx: int, window: torch.Tensor) -> None:
+        """Store layer ``layer_idx``'s convolution window (``[batch, conv_width - 1, hidden]``)."""
+        if isinstance(self.layers[layer_idx], LinearAttentionLayer):
+            self.update_conv_state(window.transpose(1, 2), layer_idx)  # the library's layout: time last
+        else:
+            self.attention_conv_windows[layer_idx] = window
 
 
 @dataclass
@@ -307,14 +322,16 @@ class BilinearAttention(nn.Module):
 
 
 class PreNormBlock(GradientCheckpointingLayer):
-    """What every block shares: the mixing sublayer's norm (``mixer_norm``), then its ``mixing`` modules, and, if the
-    config has an MLP, the pre-norm residual SwiGLU MLP (``mlp_residual``). Registered in this order, which sets the
-    order of initialization: a given seed gives the same weights as before hybrids existed."""
+    """What every block shares: the mixing sublayer's norm (``mixer_norm``) and short convolution (``conv``, with
+    ``conv_width``), applied by ``mixing_input``; then its ``mixing`` module; and, if the config has an MLP, the
+    pre-norm residual SwiGLU MLP (``mlp_residual``). Registered in this order, which sets the order of
+    initialization: a given seed gives the same weights as before hybrids existed."""
 
-    def __init__(self, config: BilinearConfig, layer_idx: int, **mixing: nn.Module | None):
+    def __init__(self, config: BilinearConfig, layer_idx: int, **mixing: nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.mixer_norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.conv = BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None
         for name, module in mixing.items():
             setattr(self, name, module)
         if config.use_mlp:
@@ -322,6 +339,18 @@ class PreNormBlock(GradientCheckpointingLayer):
             self.mlp = BilinearMLP(config)
         else:
             self.mlp = None
+
+    def mixing_input(self, hidden_states, cache=None, mask=None, reset=None):
+        """``norm(x)``, then the convolution if the block has one, its window from and back to ``cache`` (a
+        :class:`BilinearCache`, or None: zeros before the first position); ``mask``: ``[B, T]`` padding,
+        ``reset``: ``[B, T]`` document starts, or None."""
+        x = self.mixer_norm(hidden_states)
+        if self.conv is None:
+            return x
+        x, window = self.conv(x, cache.conv_window(self.layer_idx) if cache is not None else None, mask, reset)
+        if cache is not None:
+            cache.set_conv_window(self.layer_idx, window)  # its last conv_width - 1 positions
+        return x
 
     def mlp_residual(self, hidden_states):
         """``x + MLP(norm(x))``, or ``x`` without an MLP."""
@@ -333,24 +362,14 @@ class BilinearBlock(PreNormBlock):
     then ``x + MLP(norm(x))`` if the config has an MLP. Decoding (one position) runs the same code."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
-        super().__init__(config, layer_idx,
-                         conv=BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None,
-                         mixer=BilinearMixer(config, layer_idx))
+        super().__init__(config, layer_idx, mixer=BilinearMixer(config, layer_idx))
 
     def forward(self, hidden_states, cache=None, mask=None, offset: int = 0, reset=None):
         """``(hidden [B,T,D], cache, mask, offset, reset) -> (hidden, states [B,T,N,S])``: the state and the
         convolution's window come from and go back to ``cache`` (a :class:`BilinearCache`, or None: start from
         ``h_start`` and zeros); ``reset``: ``[B, T]`` bool, document starts, or None."""
-        state = conv_state = None
-        if cache is not None:
-            state = cache.get_recurrent_state(self.layer_idx)
-            if self.conv is not None and (conv_state := cache.get_conv_state(self.layer_idx)) is not None:
-                conv_state = conv_state.transpose(1, 2)
-        mixer_input = self.mixer_norm(hidden_states)
-        if self.conv is not None:
-            mixer_input, conv_state = self.conv(mixer_input, conv_state, mask, reset)
-            if cache is not None:
-                cache.update_conv_state(conv_state.transpose(1, 2), self.layer_idx)  # the window: its last w-1 columns
+        state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        mixer_input = self.mixing_input(hidden_states, cache, mask, reset)
         mixed, states, final_state = self.mixer(mixer_input, state, mask, offset, reset)
         if cache is not None:
             cache.update_recurrent_state(final_state, self.layer_idx, num_positions=hidden_states.shape[1])
@@ -364,19 +383,12 @@ class BilinearAttentionBlock(PreNormBlock):
     associative recall, with it it recalled (docs/results.md, hybrids)."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
-        super().__init__(config, layer_idx,
-                         conv=BilinearShortConv(config.hidden_size, config.conv_width) if config.conv_width else None,
-                         attention=BilinearAttention(config, layer_idx))
+        super().__init__(config, layer_idx, attention=BilinearAttention(config, layer_idx))
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, mask=None, reset=None):
         """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache, mask [B,T] (padding, for the
         convolution), reset [B,T] (document starts)) -> hidden``."""
-        attention_input = self.mixer_norm(hidden_states)
-        if self.conv is not None:
-            window = cache.attention_conv_windows.get(self.layer_idx) if cache is not None else None
-            attention_input, window = self.conv(attention_input, window, mask, reset)
-            if cache is not None:
-                cache.attention_conv_windows[self.layer_idx] = window
+        attention_input = self.mixing_input(hidden_states, cache, mask, reset)
         hidden_states = hidden_states + self.attention(attention_input, position_embeddings, attention_mask, cache)
         return self.mlp_residual(hidden_states)
 

@@ -102,10 +102,8 @@ class CP(Transition):
     ``W1 = W2 = Q`` with orthonormal columns at init, so ``M = W2^T W1 = I``. With ``write_channel`` each head has
     one more state coordinate ``c``: ``[h; c] -> [[A(x), b(x)], [0, gamma(x)]] [h; c]`` (``gamma = exp(.)``), an
     additive-like write with a forget rate that keeps the update linear and homogeneous
-    (:class:`~.recurrence.CPWriteTransition`: the scans run the write as one more rank-space coordinate);
-    ``coupled_write`` reuses the input factors for the write,
-    ``b(x) = W1 (u(x) * w)`` (:func:`coupled_write_channel_weights`, rank ``R + 1``). With ``P = state_columns > 1``
-    the write is a key-value outer product, ``S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``k`` unit-norm over
+    (:class:`~.recurrence.CPWriteTransition`: the scans run the write as one more rank-space coordinate). With
+    ``P = state_columns > 1`` the write is a key-value outer product, ``S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``k`` unit-norm over
     the ``P`` columns: column ``j`` is the write channel with the write ``b(x) k_j(x)``.
     """
 
@@ -118,11 +116,9 @@ class CP(Transition):
         self.W2 = nn.Parameter(torch.empty(N, H, R))
         if config.write_channel:
             self.state_size = H + 1
-            self.input_size = R + (1 if config.coupled_write else H + 1)  # [u | gamma] or [u | b | gamma]
+            self.input_size = R + H + 1  # [u | b | gamma]
             if self.columns > 1:
                 self.input_size += self.columns  # the key k
-        if config.coupled_write:
-            self.write_vector = nn.Parameter(torch.empty(N, R))  # w of coupled_write_channel_weights
 
     def input_init_std(self):
         std = super().input_init_std()
@@ -137,8 +133,6 @@ class CP(Transition):
         q = q if H >= R else q.transpose(1, 2)
         init.copy_(self.W1, q)
         init.copy_(self.W2, q)
-        if self.config.coupled_write:  # writes W1 (u * w) start at about the state's unit norm
-            init.copy_(self.write_vector, torch.randn(N, R) / math.sqrt(R))
 
     def input_factors(self, raw):
         """The first ``u_rows`` projections -> the input factors ``u`` ``[..., factor_size]``."""
@@ -148,7 +142,7 @@ class CP(Transition):
         u = self.input_factors(raw[..., :self.u_rows])
         if not self.config.write_channel:
             return u
-        write = raw[..., self.u_rows:]  # [b | log gamma] or [log gamma]: factors [u | b | gamma] or [u | gamma]
+        write = raw[..., self.u_rows:]  # [b | log gamma]: factors [u | b | gamma]
         return torch.cat([u, write[..., :-1], write[..., -1:].exp()], dim=-1)
 
     def column_factors(self, raw):
@@ -162,8 +156,6 @@ class CP(Transition):
 
     def map(self, dtype):
         W1, W2 = self.W1.to(dtype), self.W2.to(dtype)
-        if self.config.coupled_write:
-            return CPTransition(*coupled_write_channel_weights(W1, W2, self.write_vector.to(dtype)))
         if self.config.write_channel:
             return CPWriteTransition(W1, W2)
         return CPTransition(W1, W2)
@@ -270,18 +262,3 @@ class PositiveDiagonal(Diagonal):
 # is the ablation of A, linear attention with the write channel).
 TRANSITIONS = {"cp": CP, "identity": Identity, "full": Full, "block_diagonal": BlockDiagonal, "rotation": Rotation,
                "diagonal": Diagonal, "positive_diagonal": PositiveDiagonal}
-
-
-def coupled_write_channel_weights(W1, W2, w):
-    """CP weights ``[N, H+1, R+1]`` of the coupled write channel: the write reuses the transition's input factors.
-
-    With factors ``[u | gamma]``: ``W1' diag(.) W2'^T [h; c] = [W1 (u * (W2^T h + w c)); gamma c]``, so the write is
-    ``b(x) = W1 (u(x) * w)`` (``w [N, R]`` learned). Linear and homogeneous in ``[h; c]`` like
-    :class:`~.recurrence.CPWriteTransition`, at rank ``R + 1``: about the pure model's cost.
-    """
-    N, H, R = W1.shape
-    W1c = torch.cat([torch.cat([W1, W1.new_zeros(N, H, 1)], dim=-1),
-                     torch.cat([W1.new_zeros(N, 1, R), W1.new_ones(N, 1, 1)], dim=-1)], dim=1)
-    W2c = torch.cat([torch.cat([W2, W2.new_zeros(N, H, 1)], dim=-1),
-                     torch.cat([w[:, None, :], W2.new_ones(N, 1, 1)], dim=-1)], dim=1)
-    return W1c, W2c

@@ -197,7 +197,7 @@ def _main(args) -> int:
         grid = [task_from_args(t, m, args) for t in tasks for m in (ms if t in USES_M else [None])]
         for task in grid:  # refuse a bad combination before any run, not in the middle of the sweep
             for mdl in models:
-                check_state_consistency(task, mdl, config.state_consistency)
+                check_state_consistency(task, mdl, config)
         out_dir = Path(args.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         res_path = out_dir / "results.json"

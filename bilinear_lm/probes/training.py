@@ -25,17 +25,18 @@ import torch.nn.functional as F
 
 from ..utils import eval_mode
 from .config import ProbeConfig
-from .models import build_probe_model, class_logits
+from .models import build_probe_model, class_logits, model_spec
 from .tasks import Task
 
 VAL_SEED, TEST_SEED = 1_000_003, 2_000_003  # data seeds shared by all runs: every model sees the same eval data
 
 
-def check_state_consistency(task: Task, model_name: str, weight: float) -> None:
-    """Refuse a state-consistency weight for a model without a bilinear state or a task whose labels merge states."""
-    if weight == 0:
+def check_state_consistency(task: Task, model_name: str, config: ProbeConfig) -> None:
+    """Refuse ``config.state_consistency`` for a model without a bilinear state (hybrids have their bilinear layers')
+    or a task whose labels merge states."""
+    if config.state_consistency == 0:
         return
-    if model_name.split("-")[0] not in ("bilinear", "stack", "hybrid"):  # hybrid-N: its bilinear layers' states
+    if model_spec(model_name, config, task.vocab_size)[0] != "bilinear":
         raise ValueError(f"state_consistency reads the bilinear recurrent state; {model_name} has none (set it to 0: "
                          "drop --state-consistency)")
     if task.automaton.outputs.unique().numel() != task.automaton.num_states:
@@ -111,6 +112,8 @@ def normalize(acc: float, chance: float) -> float:
 
 
 def default_lr(model_name: str) -> float:
+    """The learning rate when none is given: 3e-3 for the 1-layer ``bilinear-<mixer>`` models (the paper's minimal
+    model), 1e-3 for every deeper or other model."""
     return 3e-3 if model_name.startswith("bilinear") else 1e-3
 
 
@@ -129,7 +132,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
     c = config
     lo, hi = c.train_lengths
     C, chance = task.num_classes, task.chance
-    check_state_consistency(task, model_name, c.state_consistency)
+    check_state_consistency(task, model_name, c)
     torch.manual_seed(seed)
     model, model_cfg = build_probe_model(model_name, task, c)
     model.train()
