@@ -59,8 +59,10 @@ def test_the_cache_is_transformers_dynamic_cache_with_one_layer_type_per_layer(t
     assert cache.layers[1].keys.shape[-2] == 8 and cache.layers[2].keys.shape[-2] == WINDOW - 1
 
 
-def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_with_left_padding(tiny_bilinear_config):
-    model = build(hybrid_config(tiny_bilinear_config))
+@pytest.mark.parametrize("use_rope", [True, False])
+def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_with_left_padding(tiny_bilinear_config,
+                                                                                                use_rope):
+    model = build(hybrid_config(tiny_bilinear_config, use_rope=use_rope))
     ids, mask = left_padded(60, [14, 9, 5])
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
@@ -78,7 +80,8 @@ def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_w
 
 def reference_attention(attention, config, x, visible):
     """Plain masked softmax attention in fp64, written out: projections, rotary embedding at positions 0..T-1
-    (``theta^(-2i/d)``), each query head on its key/value group, softmax over the ``visible`` [B, T, T] keys."""
+    (``theta^(-2i/d)``; none with ``use_rope=False``), each query head on its key/value group, softmax over the
+    ``visible`` [B, T, T] keys."""
     B, T, D = x.shape
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = D // H
@@ -93,7 +96,9 @@ def reference_attention(attention, config, x, visible):
         first, second = t[..., :d // 2], t[..., d // 2:]
         return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
-    q, k = rotate(q), rotate(k).repeat_interleave(H // G, dim=2)
+    if config.use_rope:
+        q, k = rotate(q), rotate(k)
+    k = k.repeat_interleave(H // G, dim=2)
     v = v.repeat_interleave(H // G, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     weights = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
@@ -101,11 +106,11 @@ def reference_attention(attention, config, x, visible):
 
 
 @pytest.mark.parametrize("kind,layer_idx", [("full_attention", 1), ("sliding_attention", 2)])
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_attention_layer_equals_plain_masked_softmax(tiny_bilinear_config, kind, layer_idx, implementation):
+@pytest.mark.parametrize("implementation,use_rope", [("sdpa", True), ("eager", True), ("sdpa", False)])
+def test_attention_layer_equals_plain_masked_softmax(tiny_bilinear_config, kind, layer_idx, implementation, use_rope):
     """The full layer against a causal + padding mask, the sliding layer against an explicit band of WINDOW
-    positions (itself included), both built by hand."""
-    model = build(hybrid_config(tiny_bilinear_config))
+    positions (itself included), both built by hand; with and without the rotary embedding."""
+    model = build(hybrid_config(tiny_bilinear_config, use_rope=use_rope))
     model.config._attn_implementation = implementation
     _, mask = left_padded(60, [12, 7])
     B, T = mask.shape
@@ -114,7 +119,8 @@ def test_attention_layer_equals_plain_masked_softmax(tiny_bilinear_config, kind,
     attention = model.model.layers[layer_idx].attention
     with torch.no_grad():
         masks = model.model.attention_masks(x, mask, None, positions, None)
-        out = attention(x, model.model.rotary_emb(x, positions), masks[kind])
+        rotary = model.model.rotary_emb(x, positions) if use_rope else None
+        out = attention(x, rotary, masks[kind])
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     visible = (j <= i) & mask.bool()[:, None, :]
     if kind == "sliding_attention":
@@ -295,3 +301,4 @@ def test_train_py_trains_samples_and_saves_the_hybrid_preset(tmp_path, monkeypat
     assert final["step"] == 2
     saved = BilinearForCausalLM.from_pretrained(tmp_path / "out")
     assert saved.config.layer_types == ["bilinear", "bilinear", "bilinear", "full_attention"]
+    assert saved.config.conv_width == 4 and saved.config.use_rope is False  # the hybrid measured in docs/results.md

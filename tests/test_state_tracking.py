@@ -149,6 +149,9 @@ def test_a_hybrid_with_an_attention_window_has_sliding_attention_layers():
     task = make_task("parity")
     model, cfg = build_probe_model("hybrid-4", task, dataclasses.replace(TINY_CONFIG, attention_window=3))
     assert model.config.layer_types == ["bilinear"] * 3 + ["sliding_attention"] and model.config.sliding_window == 3
+    assert model.model.rotary_emb is not None
+    model, cfg = build_probe_model("hybrid-4", task, dataclasses.replace(TINY_CONFIG, attention_rope=False))
+    assert model.config.layer_types[3] == "full_attention" and model.model.rotary_emb is None and not cfg["use_rope"]
     with pytest.raises(ValueError, match="ProbeConfig.attention_window must be None"):
         dataclasses.replace(TINY_CONFIG, attention_window=0)
 

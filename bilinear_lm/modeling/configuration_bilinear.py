@@ -80,7 +80,10 @@ class BilinearConfig(PreTrainedConfig):
     `"sliding_attention"` layer replaces the block's mixer with causal softmax attention (transformers' attention
     interface, Llama's rotary embedding, `num_attention_heads` query heads and `num_key_value_heads` key/value heads
     of size `hidden_size / num_attention_heads`, `rope_theta` or `rope_parameters`); a sliding layer attends to the
-    last `sliding_window` positions (itself included). The norms and the MLP are the bilinear blocks'.
+    last `sliding_window` positions (itself included). `use_rope=False` leaves the attention layers without any
+    positional encoding (NoPE, as Jamba's: the bilinear layers are ordered and give the positions); it is what lets a
+    hybrid's attention generalize in length (docs/results.md, hybrids). The norms and the MLP are the bilinear
+    blocks'.
     `interleaved_layer_types(num_hidden_layers, k)` puts attention on every k-th layer. With `reset_state_at_eos`
     the attention layers do not attend across an EOS either.
 
@@ -117,6 +120,7 @@ class BilinearConfig(PreTrainedConfig):
     num_key_value_heads: int | None = None
     sliding_window: int | None = None
     rope_parameters: dict | None = None
+    use_rope: bool = True
     tie_word_embeddings: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None

@@ -307,12 +307,14 @@ class BilinearAttention(nn.Module):
         self.o_proj.scale_init_with_depth = True  # read by _init_weights
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
-        """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's mask, or None), cache) -> [B,T,D]``."""
+        """``(hidden [B,T,D], (cos, sin) or None (no rotary embedding), attention_mask (the interface's mask, or
+        None), cache) -> [B,T,D]``."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = linear(self.q_proj, hidden_states).view(shape).transpose(1, 2)
         key = linear(self.k_proj, hidden_states).view(shape).transpose(1, 2)
         value = linear(self.v_proj, hidden_states).view(shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if position_embeddings is not None:  # None: use_rope=False
+            query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
@@ -507,7 +509,8 @@ class BilinearPreTrainedModel(PreTrainedModel):
 
 class BilinearModel(BilinearPreTrainedModel):
     """Embeddings, a stack of blocks (bilinear, or attention in a hybrid: ``config.layer_types``) and a final norm (no
-    positional embedding: the recurrence is ordered; the attention layers have rotary embeddings)."""
+    positional embedding: the recurrence is ordered; the attention layers have rotary embeddings unless
+    ``config.use_rope`` is False)."""
 
     def __init__(self, config: BilinearConfig):
         super().__init__(config)
@@ -515,7 +518,7 @@ class BilinearModel(BilinearPreTrainedModel):
         self.layers = nn.ModuleList([
             BilinearBlock(config, i) if kind == "bilinear" else BilinearAttentionBlock(config, i)
             for i, kind in enumerate(config.layer_types)])
-        self.rotary_emb = BilinearRotaryEmbedding(config) if self.attention_types else None
+        self.rotary_emb = BilinearRotaryEmbedding(config) if self.attention_types and config.use_rope else None
         self.norm = BilinearRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
@@ -602,7 +605,7 @@ class BilinearModel(BilinearPreTrainedModel):
                 if past_key_values is not None:
                     past_key_values.document_start = document_start[:, -1]
             masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, document_start)
-            position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+            position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None

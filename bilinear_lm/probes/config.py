@@ -58,6 +58,8 @@ class ProbeConfig:
     num_heads: int = option(4, "attention heads (transformer-N, and the attention layers of hybrid-N)")
     attention_window: int | None = option(None, "hybrid-N: its attention layers see only this many positions "
                                                 "(sliding-window attention; default: full attention)")
+    attention_rope: bool = option(True, "hybrid-N: rotary embeddings in its attention layers (--no-attention-rope: "
+                                        "none, BilinearConfig.use_rope=False)")
     verbose: bool = option(False, "log every validation")
 
     def __post_init__(self):

@@ -9,7 +9,8 @@ vocabulary is sized max(num_symbols, num_classes) and untied. Models are built b
   one bilinear recurrence -> linear readout of the normalized state); ``gate=True`` adds the LM's output gate.
 - ``hybrid-N`` (N >= 4): N of those ``bilinear-cp`` layers with every fourth a full-attention layer (``num_heads``
   heads, RoPE; ``interleaved_layer_types(N, 4)``, the 3:1 of Qwen3-Next and Kimi Linear; sliding-window attention
-  with ``attention_window``): does attention disturb length generalization? ``stack-N``: the same N layers all
+  with ``attention_window``, without rotary embeddings with ``attention_rope=False``): does attention disturb length
+  generalization? ``stack-N``: the same N layers all
   ``bilinear-cp``, its control at equal depth.
 - ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
 - ``transformer-N``: LlamaForCausalLM with N layers (RoPE, ``num_heads`` heads).
@@ -75,7 +76,8 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
         else:
             kind, window = "sliding_attention", {"sliding_window": config.attention_window}
         return "bilinear", {**cfg, "layer_types": interleaved_layer_types(int(layers), 4, kind),
-                            "num_attention_heads": heads, "num_key_value_heads": heads, **window}
+                            "num_attention_heads": heads, "num_key_value_heads": heads,
+                            "use_rope": config.attention_rope, **window}
     if kind in ("transformer", "mamba") and layers.isdigit() and int(layers) >= 1:
         L = int(layers)
         if kind == "transformer":
