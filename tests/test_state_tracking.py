@@ -182,7 +182,8 @@ def test_every_probe_config_field_is_a_flag_with_its_default_and_help():
     actions = {a.dest: a for a in st.build_parser()._actions}
     for f in dataclasses.fields(ProbeConfig):
         action = actions[f.name]
-        assert action.option_strings == ["--" + f.name.replace("_", "-")]
+        flag = f.name.replace("_", "-")
+        assert action.option_strings == ([f"--{flag}", f"--no-{flag}"] if f.default is True else [f"--{flag}"])
         assert action.default == f.default and action.help.startswith(f.metadata["help"])
 
 
