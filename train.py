@@ -219,8 +219,12 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
-            if accelerator.sync_gradients and cfg.train.grad_clip:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            if accelerator.sync_gradients:  # the norm of the reduced gradients: the same on every rank
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or math.inf)
+                # None: DeepSpeed clips inside its engine; with fp16 a non-finite norm is the loss scaler's to skip
+                if grad_norm is not None and accelerator.scaler is None and not math.isfinite(grad_norm):
+                    raise TrainingInputError(diverged_message(cfg, state.step + 1,
+                                                              f"the gradient norm is {float(grad_norm)}"))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -237,7 +241,7 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
         if logging or saving:  # the same value on every rank: every rank stops, or none
             train_loss = accelerator.reduce(sum(micro_losses) / len(micro_losses), reduction="mean").item()
             if not math.isfinite(train_loss):  # before a diverged model is logged, evaluated or saved
-                raise TrainingInputError(diverged_message(cfg, state.step, train_loss))
+                raise TrainingInputError(diverged_message(cfg, state.step, f"the training loss is {train_loss}"))
         if logging:
             tokens_per_sec = (tokens_per_step * (state.step - logged_step)
                               / max(state.train_seconds - logged_seconds, 1e-9))
@@ -263,14 +267,15 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
     pbar.close()
 
 
-def diverged_message(cfg: Config, step: int, loss: float) -> str:
-    """The error of a run whose training loss stopped being finite: where, what is kept, and what to do."""
+def diverged_message(cfg: Config, step: int, what: str) -> str:
+    """The error of a run whose gradient or training loss (``what``) stopped being finite, before the weights take
+    it: where, what is kept, and what to do."""
     kept = find_checkpoint(cfg.train.output_dir, "latest", warn=lambda _: None)
     resume = (f"the last checkpoint, {kept}, is from before it: resume from it with --resume_from_checkpoint latest "
               f"--allow_config_change and a lower --learning_rate" if kept is not None
               else "no checkpoint was saved: start again with a lower --learning_rate")
-    return (f"the training loss is {loss} at step {step} (learning rate {cfg.train.learning_rate:g}): the run "
-            f"diverged and stops here; {resume} (or a smaller --grad_clip)")
+    return (f"{what} at step {step} (learning rate {cfg.train.learning_rate:g}): the run diverged and stops here; "
+            f"{resume} (or a smaller --grad_clip)")
 
 
 # ----------------------------------------------------------------------------------------------- finish

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bilinear_lm import BilinearForCausalLM
 from bilinear_lm.training import DEFAULT_TRAIN_FILE, DataError, TrainingInputError, parse_config, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -641,7 +642,8 @@ def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(smal
     assert train.cli(tiny_args(small_text, out, learning_rate=1e8, max_steps=30, save_interval=2, log_interval=5,
                                eval_interval=0, sample_tokens=0)) == 1
     err = capsys.readouterr().err
-    match = re.search(r"error: the training loss is nan at step (\d+) \(learning rate 1e\+08\): the run diverged "
+    match = re.search(r"error: the (?:training loss|gradient norm) is (?:nan|inf) at step (\d+) \(learning rate "
+                      r"1e\+08\): the run diverged "
                          r"and stops here; the last checkpoint, (.*step_(\d+)), is from before it: resume from it with "
                          r"--resume_from_checkpoint latest --allow_config_change and a lower --learning_rate \(or a "
                          r"smaller --grad_clip\)\n", err)  # after the progress bar (tqdm writes to stderr)
@@ -650,3 +652,43 @@ def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(smal
     assert saved_step < nan_step < 30
     assert all(torch.isfinite(t).all() for t in load_file(f"{checkpoint}/model.safetensors").values())
     assert not (out / "model.safetensors").exists()
+
+
+class _NanGradient(torch.autograd.Function):
+    """The identity forward; NaN backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def test_a_nan_gradient_under_a_finite_loss_stops_before_the_update_and_before_a_save(small_text, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """Step 3's loss is finite but its gradient NaN (the matrix-state Gutenberg run's divergence): train.py stops
+    before that update, so the checkpoint of step 3 is never written from NaN weights and step 2's is named."""
+    import train
+    from safetensors.torch import load_file
+
+    forward, calls = BilinearForCausalLM.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training and out.loss is not None:
+            calls.append(1)
+            if len(calls) == 3:
+                out.loss = _NanGradient.apply(out.loss)
+        return out
+
+    monkeypatch.setattr(BilinearForCausalLM, "forward", poisoned)
+    out = tmp_path / "out"
+    assert train.cli(tiny_args(small_text, out, max_steps=6, save_interval=1, log_interval=5, eval_interval=0,
+                               sample_tokens=0)) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"error: the gradient norm is nan at step 3 \(learning rate 0\.003\): the run diverged and "
+                     r"stops here; the last checkpoint, .*step_2, is from before it", err), err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert all(torch.isfinite(t).all() for t in load_file(out / "checkpoints/step_2/model.safetensors").values())
