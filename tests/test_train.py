@@ -643,10 +643,9 @@ def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(smal
                                eval_interval=0, sample_tokens=0)) == 1
     err = capsys.readouterr().err
     match = re.search(r"error: the (?:training loss|gradient norm) is (?:nan|inf) at step (\d+) \(learning rate "
-                      r"1e\+08\): the run diverged "
-                         r"and stops here; the last checkpoint, (.*step_(\d+)), is from before it: resume from it with "
-                         r"--resume_from_checkpoint latest --allow_config_change and a lower --learning_rate \(or a "
-                         r"smaller --grad_clip\)\n", err)  # after the progress bar (tqdm writes to stderr)
+                      r"1e\+08\): the run diverged and stops here; the last checkpoint, (.*step_(\d+)), is from before "
+                      r"it: resume from it with --resume_from_checkpoint latest --allow_config_change and a lower "
+                      r"--learning_rate \(or a smaller --grad_clip\)\n", err)  # after the progress bar (tqdm: stderr)
     assert match and err.count("error:") == 1 and "Traceback" not in err, err
     nan_step, checkpoint, saved_step = int(match[1]), match[2], int(match[3])
     assert saved_step < nan_step < 30

@@ -611,7 +611,8 @@ class BilinearModel(BilinearPreTrainedModel):
                 if past_key_values is not None:
                     past_key_values.document_start = document_start[:, -1]
             masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, document_start)
-            position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+            position_embeddings = (None if self.rotary_emb is None  # use_rope=False
+                                   else self.rotary_emb(inputs_embeds, position_ids))
 
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None

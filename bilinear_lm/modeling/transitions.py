@@ -103,8 +103,8 @@ class CP(Transition):
     one more state coordinate ``c``: ``[h; c] -> [[A(x), b(x)], [0, gamma(x)]] [h; c]`` (``gamma = exp(.)``), an
     additive-like write with a forget rate that keeps the update linear and homogeneous
     (:class:`~.recurrence.CPWriteTransition`: the scans run the write as one more rank-space coordinate). With
-    ``P = state_columns > 1`` the write is a key-value outer product, ``S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`` with ``k`` unit-norm over
-    the ``P`` columns: column ``j`` is the write channel with the write ``b(x) k_j(x)``.
+    ``P = state_columns > 1`` the write is a key-value outer product, ``S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}``
+    with ``k`` unit-norm over the ``P`` columns: column ``j`` is the write channel with the write ``b(x) k_j(x)``.
     """
 
     def __init__(self, config):

@@ -10,8 +10,7 @@ vocabulary is sized max(num_symbols, num_classes) and untied. Models are built b
 - ``hybrid-N`` (N >= 4): N of those ``bilinear-cp`` layers with every fourth a full-attention layer (``num_heads``
   heads, RoPE; ``interleaved_layer_types(N, 4)``, the 3:1 of Qwen3-Next and Kimi Linear; sliding-window attention
   with ``attention_window``, without rotary embeddings with ``attention_rope=False``): does attention disturb length
-  generalization? ``stack-N``: the same N layers all
-  ``bilinear-cp``, its control at equal depth.
+  generalization? ``stack-N``: the same N layers all ``bilinear-cp``, its control at equal depth.
 - ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
 - ``transformer-N``: LlamaForCausalLM with N layers (RoPE, ``num_heads`` heads).
 - ``mamba-N``: MambaForCausalLM with N layers.
