@@ -148,19 +148,13 @@ class BilinearRMSNorm(nn.Module):
 
 
 class BilinearStateNorm(nn.Module):
-    """Per-head state normalization: unit norm first (exactly scale invariant, no eps), then a learned scale.
-
-    The state is first divided by its detached largest entry: the same unit vector and the same gradient, but the
-    norm's square can no longer underflow. (States are only kept within ``[2**-40, 2**40]``, and a matrix state's
-    query can shrink a read further: the backward of ``h / |h|`` divides by ``|h|**2``, which underflowed to 0 in fp32
-    and turned a Gutenberg run's gradients into NaN.)"""
+    """Per-head state normalization: unit norm first (exactly scale invariant, no eps), then a learned scale."""
 
     def __init__(self, num_heads: int, state_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(num_heads, state_size))
 
     def forward(self, h):
-        h = h / h.detach().abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
         norm = h.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
         return h / norm * (math.sqrt(h.shape[-1]) * self.weight.to(h.dtype))
 
