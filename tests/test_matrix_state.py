@@ -157,6 +157,30 @@ def test_write_scans_equal_the_reference_loop_with_every_gradient(impl, P):
             assert relative_error(got, want) < 1e-10, name
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpp", "triton"])
+def test_fp32_write_gradients_stay_finite_where_c_falls_to_the_bottom_of_fp32(impl):
+    """The write coordinate ``c`` falls 37 orders of magnitude below ``h`` (``gamma = 0.055`` for 30 steps), then
+    climbs back above it (``gamma = 1e4``): ``dL/dc`` at the bottom is ~1e39, past fp32's range, though every
+    gradient of the loss is moderate. The scans' backward in fp32 (the write coordinate in log form) against the
+    fp64 reference loop."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+    f, W1, W2, h0, _, _, _ = write_case(P=1, T=40)
+    with torch.no_grad():
+        f[..., -1] = torch.where(torch.arange(40)[:, None] < 30, 0.055, 1e4)
+    inputs = [f, W1, W2, h0]
+    weights = 30 * torch.randn(f.shape[0], 40, *h0.shape[1:], generator=torch.Generator().manual_seed(1),
+                               dtype=torch.float64)
+    grads = []
+    for i, dtype in ((impl, torch.float32), ("reference", torch.float64)):
+        states, _ = cp_recurrence(*(x.to(dtype) for x in inputs), None, 8, 0, i, write=True)
+        loss = (unit_per_head(states.double(), 1) * weights).sum()
+        grads.append(torch.autograd.grad(loss, inputs))
+    for name, got, want in zip(["f", "W1", "W2", "h0"], *grads):
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got, want) < 1e-3, name
+
+
 @pytest.mark.parametrize("write", [False, True])
 @pytest.mark.parametrize("impl", ["reference", "torch", "cpp"])
 def test_the_guard_keeps_a_heads_columns_in_proportion(impl, write):

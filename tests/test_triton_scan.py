@@ -64,9 +64,12 @@ def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, 
         assert relative_error(a, b) < tol, name
     dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
     MtT = Mt.transpose(1, 2).contiguous()
+    e = expected[0][..., -1:].contiguous() if write else u.new_empty(0)  # the write coordinate of every g_t
+    if write:
+        su[..., -1] = 1.0  # log form there (scan's docstring)
     filled = [[torch.empty_like(u), torch.empty_like(u)] for _ in range(2)]
-    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0], writes), *filled[0]]
-    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1], writes), *filled[1]]
+    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0], writes, e), *filled[0]]
+    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1], writes, e), *filled[1]]
     for name, a, b in zip(["dp0", "dp_start", "DGT", "DP"], got, expected):
         assert relative_error(a, b) < tol, name
 
@@ -134,7 +137,7 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
         forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "write_ptr", "v_ptr",
                                               "G_ptr", "P_ptr", "S_ptr"]},
                    **common, **{a: "i32" for a in "T N B R H chunk offset".split()}}
-        backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "write_ptr", "DGT_ptr", "DP_ptr",
+        backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "write_ptr", "e_ptr", "DGT_ptr", "DP_ptr",
                                                "dp0_ptr", "dps_ptr"]}, **common, **{a: "i32" for a in "T N B R".split()}}
         for RP in (16, 32, 64, 128):
             for write in (False, True):

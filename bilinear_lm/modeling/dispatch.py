@@ -141,37 +141,54 @@ def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, columns, write, v, i
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan_backward", mutates_args=())
 def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
-                     write: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     write: torch.Tensor, e: torch.Tensor,
+                     impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scan's reverse loop: ``(DGT, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
     DGT, DP = torch.empty_like(su), torch.empty_like(su)
-    dp0, dp_start = _scan_functions(impl)[1](dG, su, MtT, keep, restart, DGT, DP, write)
+    dp0, dp_start = _scan_functions(impl)[1](dG, su, MtT, keep, restart, DGT, DP, write, e)
     return DGT, DP, dp0, dp_start
 
 
 @cp_scan_backward.register_fake
-def _(dG, su, MtT, keep, restart, write, impl):
+def _(dG, su, MtT, keep, restart, write, e, impl):
     return torch.empty_like(su), torch.empty_like(su), su.new_empty(su.shape[1:]), su.new_empty(su.shape[1:])
 
 
 def _cp_scan_setup_context(ctx, inputs, output):
-    u, Mt, _, keep, _, _, _, restart, _, columns, write, _, impl = inputs
+    u, Mt, _, keep, _, _, _, restart, p_start, columns, write, _, impl = inputs
     G, P, S = output
-    ctx.save_for_backward(u, Mt, keep, restart, write, G, P, S)
+    ctx.save_for_backward(u, Mt, keep, restart, p_start, write, G, P, S)
     ctx.impl, ctx.columns = impl, columns
+
+
+def _from_log_form(grad, x):
+    """``dL/dx`` from the log-form gradient ``x dL/dx`` (``scan``'s docstring); 0 where ``x`` is 0."""
+    return torch.where(x != 0, grad / torch.where(x != 0, x, 1.0), 0.0)
 
 
 def _cp_scan_backward_rule(ctx, dG, dP, dS):
     """Gradients of ``u``, ``Mt``, ``p0``, ``p_start`` and ``write`` (``P`` and ``S`` feed nothing differentiable, nor
-    ``v``: it only sets the detached normalization)."""
-    u, Mt, keep, restart, write, G, P, S = ctx.saved_tensors
+    ``v``: it only sets the detached normalization). With the write, the last coordinate's gradients come from the
+    scan in log form (``scan``'s docstring), so ``du`` and ``dMt`` hold no gradient in that coordinate: the caller's
+    constant 1 in ``u`` and zero padding of ``Mt`` there discard it."""
+    u, Mt, keep, restart, p_start, write, G, P, S = ctx.saved_tensors
     T = u.shape[0]
-    DGT, DP, dp0, dp_start = cp_scan_backward(dG.contiguous(), S * u, Mt.transpose(1, 2).contiguous(), keep,
-                                              restart, write, ctx.impl)
+    su, e = S * u, G.new_empty(0)
+    if write.numel():
+        su[..., -1] = 1
+        e = G[..., -1:].contiguous()
+    DGT, DP, dp0, dp_start = cp_scan_backward(dG.contiguous(), su, Mt.transpose(1, 2).contiguous(), keep, restart,
+                                              write, e, ctx.impl)
     du = S * P[:T] * DGT  # P[t] is step t's input: p_start at a restart
     dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
     if restart.numel():  # per row -> per column of the start state: [N, columns, R]
         dp_start = dp_start.unflatten(1, (-1, ctx.columns)).sum(1)
-    dwrite = G[..., -1:] * DP if write.numel() else None  # p_t = g_t Mt + e_t write_t
+    dwrite = None
+    if write.numel():  # p_t = g_t Mt + e_t [beta_t | gamma_t]: dL/dgamma_t = e_t dL/dc_t = (c_t dL/dc_t) / gamma_t
+        dwrite = torch.cat([e * DP[..., :-1], _from_log_form(DP[..., -1:], write[..., -1:])], dim=-1)
+        dp0[..., -1:] = _from_log_form(dp0[..., -1:], P[0][..., -1:])
+        if restart.numel():
+            dp_start[..., -1:] = _from_log_form(dp_start[..., -1:], p_start[..., -1:])
     return du, dMt, dp0, None, None, None, None, None, dp_start if restart.numel() else None, None, dwrite, None, None
 
 

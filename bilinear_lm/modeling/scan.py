@@ -20,10 +20,17 @@ exactly this (tested against it and against the reference loop). Layout ``[T, N,
   ``c_t = gamma_t e_t``. ``v``: ``[T,N,B,H]``, read for the norm of ``[h_t; c_t]`` at normalizations only. The cost
   per step stays about the pure scan's, instead of the rank ``R + H + 1`` of the write as CP factors
   (``CPWriteTransition.as_cp``, what the compiled decoding step runs).
-* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP, write) -> (dp0, dp_start)``: the reverse loop, given
+* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP, write, e) -> (dp0, dp_start)``: the reverse loop, given
   ``dL/dg_t`` and ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t``
   leaving step ``t``, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row
   (``[N, B, R]``). The gradients of ``u``, ``Mt`` and ``write`` follow from them in bulk (``dispatch``).
+  The write coordinate's gradients are carried in **log form**: ``c`` can fall 40 orders of magnitude below ``h``
+  within one normalized state (a small ``gamma`` for a while), and then ``dL/dc`` rises as far (``c dL/dc`` is
+  what the loss sees), beyond fp32's range where ``c`` is still a denormal. So in that coordinate ``DP`` holds
+  ``c_t dL/dc_t``, ``DGT`` ``e_t dL/de_t``, and ``dp0`` / ``dp_start`` ``c dL/dc`` of their starts: with ``e``
+  (``g_t[-1]``, ``[T, N, B, 1]``) the recursion is ``DGT_t = e_t (dG_t + beta_t . DP_t[:-1]) + DP_t``, a sum of
+  terms in range, and ``su`` is 1 there (the normalization scales ``c`` and ``dL/dc`` inversely). ``e`` is empty
+  without the write.
 """
 
 import torch
@@ -75,7 +82,7 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
     return G, P, S
 
 
-def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
+def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write, e):
     """The scan's backward loop (see the module docstring): fills ``DGT`` and ``DP``, returns ``(dp0, dp_start)``."""
     keep4 = keep[:, None, :, None] if keep.numel() else None
     restart4 = restart[:, None, :, None] if restart.numel() else None
@@ -85,8 +92,9 @@ def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
     for t in range(su.shape[0] - 1, -1, -1):
         DP[t] = dp if keep4 is None else torch.where(keep4[t], dp, 0.0)
         torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-        if has_write:  # e_t = g_t[-1] wrote e_t write_t into p_t
-            DGT[t][..., -1:] += (write[t] * DP[t]).sum(-1, keepdim=True)
+        if has_write:  # in log form: e_t dL/de_t = e_t (dL/de_t directly + beta_t . dL/dp_t[:-1]) + c_t dL/dc_t
+            de = DGT[t][..., -1:] + (write[t][..., :-1] * DP[t][..., :-1]).sum(-1, keepdim=True)
+            DGT[t][..., -1:] = e[t] * de + DP[t][..., -1:]
         dp = su[t] * DGT[t] if keep4 is None else su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
         if restart4 is not None:  # this step's input was p_start, not the previous step's output
             dp_start += torch.where(restart4[t], dp, 0.0)

@@ -186,7 +186,7 @@ if triton is not None:
             tl.store(P_ptr + last * R + R - 1, c, mask=row_ok)
 
     @triton.jit
-    def _backward_kernel(dG_ptr, su_ptr, mtt_ptr, keep_ptr, restart_ptr, write_ptr, DGT_ptr, DP_ptr, dp0_ptr,
+    def _backward_kernel(dG_ptr, su_ptr, mtt_ptr, keep_ptr, restart_ptr, write_ptr, e_ptr, DGT_ptr, DP_ptr, dp0_ptr,
                          dps_ptr, T, N, B, R, HAS_KEEP: tl.constexpr, HAS_RESTART: tl.constexpr,
                          HAS_WRITE: tl.constexpr, BLOCK_B: tl.constexpr, RP: tl.constexpr, PRECISION: tl.constexpr):
         n = tl.program_id(0)
@@ -213,16 +213,16 @@ if triton is not None:
             dgt = tl.load(dG_ptr + tile, mask=tile_ok, other=0.0).to(dtype) + tl.dot(dp_in, mtt, input_precision=PRECISION)
             tl.store(DP_ptr + tile, dp_in, mask=tile_ok)
             tl.store(DGT_ptr + tile, dgt, mask=tile_ok)
-            if HAS_WRITE:  # e_t = g_t[R - 1] wrote e_t write_t into p_t: [beta_t | gamma_t] against [dp | dc]
+            if HAS_WRITE:  # the write coordinate in log form (scan's docstring): dc is c_t dL/dc_t
                 last = ((t * N + n) * B + rows) * R + R - 1
                 dc_in = tl.where(keep, dc, 0.0)
-                write = tl.load(write_ptr + tile, mask=tile_ok, other=0.0).to(dtype)
-                gamma = tl.load(write_ptr + last, mask=row_ok, other=0.0).to(dtype)
-                de = tl.load(dG_ptr + last, mask=row_ok, other=0.0).to(dtype) + tl.sum(write * dp_in, axis=1) \
-                    + gamma * dc_in
+                beta = tl.load(write_ptr + tile, mask=tile_ok, other=0.0).to(dtype)
+                e = tl.load(e_ptr + (t * N + n) * B + rows, mask=row_ok, other=0.0).to(dtype)
+                de = e * (tl.load(dG_ptr + last, mask=row_ok, other=0.0).to(dtype) + tl.sum(beta * dp_in, axis=1)) \
+                    + dc_in
                 tl.store(DP_ptr + last, dc_in, mask=row_ok)
                 tl.store(DGT_ptr + last, de, mask=row_ok)
-                dc = tl.load(su_ptr + last, mask=row_ok, other=0.0).to(dtype) * de + tl.where(keep, 0.0, dc)
+                dc = de + tl.where(keep, 0.0, dc)
             dp = tl.load(su_ptr + tile, mask=tile_ok, other=0.0).to(dtype) * dgt + tl.where(keep[:, None], 0.0, dp)
             if HAS_RESTART:  # this step's input was p_start, not the previous step's output
                 restart = tl.load(restart_ptr + t * B + rows, mask=row_ok, other=0) != 0
@@ -259,7 +259,7 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
     return G, P, S
 
 
-def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
+def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write, e):
     """The scan's reverse loop (``scan.scan_backward``'s signature and results)."""
     T, N, B, R = su.shape
     has_write = write.numel() > 0
@@ -268,7 +268,7 @@ def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write):
     dummy = su.new_empty(1, dtype=torch.int8)
     _backward_kernel[(N, triton.cdiv(B, BLOCK_B))](
         dG.contiguous(), su.contiguous(), MtT.contiguous(), keep.to(torch.int8) if keep.numel() else dummy,
-        restart.to(torch.int8) if restart.numel() else dummy, write.contiguous() if has_write else su, DGT, DP, dp0,
-        dp_start, T, N, B, R, HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, HAS_WRITE=has_write,
+        restart.to(torch.int8) if restart.numel() else dummy, write.contiguous() if has_write else su,
+        e.contiguous() if has_write else su, DGT, DP, dp0, dp_start, T, N, B, R, HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, HAS_WRITE=has_write,
         BLOCK_B=BLOCK_B, RP=RP, PRECISION=dot_precision(RP), num_warps=num_warps(RP))
     return dp0, dp_start

@@ -1,6 +1,6 @@
 // A GEMV for a few rows (a decoding step's projections): y = x @ W^T. The decoding path routes its linear layers'
 // F.linear calls here (bilinear_lm/modeling/dispatch.py, decoding_linear); the layers themselves are plain nn.Linear.
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: half the build time (bindings.cpp has the Python side)
 #include <ATen/Parallel.h>
 #include <algorithm>
 
@@ -35,11 +35,11 @@ void small_batch_linear_kernel(const scalar_t* xp, const scalar_t* wp, scalar_t*
   });
 }
 
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor W) {
+at::Tensor small_batch_linear(at::Tensor x, at::Tensor W) {
   TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(1) && x.is_contiguous() && W.is_contiguous() &&
               x.device().is_cpu() && W.device().is_cpu() && x.scalar_type() == W.scalar_type(),
               "small_batch_linear: x [M, K] and W [N, K] must be contiguous CPU tensors of one dtype");
-  auto y = torch::empty({x.size(0), W.size(0)}, x.options());
+  auto y = at::empty({x.size(0), W.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "small_batch_linear", [&] {
     small_batch_linear_kernel<scalar_t>(x.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
                                         x.size(0), x.size(1), W.size(0));

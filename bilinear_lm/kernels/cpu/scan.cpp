@@ -4,7 +4,7 @@
 // independently, so each is one thread's sequential loop over time with no per-step synchronization or dispatch.
 // Built by bilinear_lm/kernels/cpu/__init__.py (torch.utils.cpp_extension), which defines BILINEAR_SAFE_MIN and
 // BILINEAR_SAFE_MAX, the overflow guard's range, from bilinear_lm/modeling/recurrence.py (SAFE_MIN, SAFE_MAX).
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: half the build time (bindings.cpp has the Python side)
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -143,15 +143,15 @@ struct GroupScan {
   }
 };
 
-std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
-                                        torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
-                                        torch::Tensor p_start, int64_t columns, torch::Tensor write,
-                                        torch::Tensor v) {
+std::vector<at::Tensor> scan_forward(at::Tensor u, at::Tensor Mt, at::Tensor W1, at::Tensor keep,
+                                        at::Tensor p0, int64_t chunk, int64_t offset, at::Tensor restart,
+                                        at::Tensor p_start, int64_t columns, at::Tensor write,
+                                        at::Tensor v) {
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
   TORCH_CHECK(columns >= 1 && B % columns == 0, "scan_forward: rows ", B, " are not whole groups of ", columns);
-  auto G = torch::empty_like(u);
-  auto P = torch::empty({T + 1, N, B, R}, u.options());
-  auto S = torch::empty({T, N, B, 1}, u.options());
+  auto G = at::empty_like(u);
+  auto P = at::empty({T + 1, N, B, R}, u.options());
+  auto S = at::empty({T, N, B, 1}, u.options());
   auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h = W1 g is a vec_mat
   P[0].copy_(p0);
   const int64_t groups = B / columns;
@@ -179,12 +179,13 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch
   return {G, P, S};
 }
 
-// Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and
-// DP (grad of p_t leaving step t, zero where padded), and the grads of p_0 and of p_start per row.
+// Backward of the whole scan. su = S * u (1 in the write coordinate); MtT = Mt^T contiguous. Writes DGT (total grad
+// of g_t) and DP (grad of p_t leaving step t, zero where padded), and the grads of p_0 and of p_start per row; the
+// write coordinate's in log form, given e = g_t[R - 1] ([T, N, B, 1]; scan.py's docstring).
 template <typename scalar_t>
-void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const torch::Tensor& MtT,
-                     const torch::Tensor& keep, const torch::Tensor& restart, const torch::Tensor& write,
-                     torch::Tensor& DGT, torch::Tensor& DP, torch::Tensor& dp0, torch::Tensor& dp_start) {
+void backward_kernel(const at::Tensor& dG, const at::Tensor& su, const at::Tensor& MtT,
+                     const at::Tensor& keep, const at::Tensor& restart, const at::Tensor& write,
+                     const at::Tensor& e, at::Tensor& DGT, at::Tensor& DP, at::Tensor& dp0, at::Tensor& dp_start) {
   const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
   const scalar_t* dgp = dG.data_ptr<scalar_t>();
   const scalar_t* sup = su.data_ptr<scalar_t>();
@@ -192,6 +193,7 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
   const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
   const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
   const scalar_t* wp = write.numel() ? write.data_ptr<scalar_t>() : nullptr;
+  const scalar_t* ep = write.numel() ? e.data_ptr<scalar_t>() : nullptr;
   scalar_t* dsp = dp_start.data_ptr<scalar_t>();
   scalar_t* dgtp = DGT.data_ptr<scalar_t>();
   scalar_t* dpp = DP.data_ptr<scalar_t>();
@@ -212,19 +214,17 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
         const scalar_t* __restrict__ dgo = dgp + row * R;
         const scalar_t* __restrict__ sut = sup + row * R;
         for (int64_t r = 0; r < R; ++r) dpt[r] = keep_t ? dp[r] : scalar_t(0);
-        if (keep_t) {
+        if (keep_t)
           vec_mat(dpt, M, R, R, dgt, dgo);  // dgt = dgo + dp @ Mt^T
-          if (wp) {  // e_t = g_t[R - 1] wrote e_t write_t into p_t
-            const scalar_t* __restrict__ wt = wp + row * R;
-            scalar_t de = 0;
-            for (int64_t r = 0; r < R; ++r) de += wt[r] * dpt[r];
-            dgt[R - 1] += de;
-          }
-          for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r];
-        } else {
+        else
           for (int64_t r = 0; r < R; ++r) dgt[r] = dgo[r];
-          for (int64_t r = 0; r < R; ++r) dp[r] += sut[r] * dgt[r];
+        if (wp) {  // the write coordinate in log form (scan.py's docstring): e_t (dgo + beta_t . dp) + c_t dL/dc_t
+          const scalar_t* __restrict__ wt = wp + row * R;
+          scalar_t de = dgt[R - 1];
+          for (int64_t r = 0; r < R - 1; ++r) de += wt[r] * dpt[r];
+          dgt[R - 1] = ep[row] * de + dpt[R - 1];
         }
+        for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r] + (keep_t ? scalar_t(0) : dp[r]);
         if (rp && rp[t * B + b]) {  // this step's input was p_start, not the previous step's output
           for (int64_t r = 0; r < R; ++r) { ds[r] += dp[r]; dp[r] = 0; }
         }
@@ -235,13 +235,13 @@ void backward_kernel(const torch::Tensor& dG, const torch::Tensor& su, const tor
   });
 }
 
-std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
-                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP,
-                                         torch::Tensor write) {
-  auto dp0 = torch::empty({su.size(1), su.size(2), su.size(3)}, su.options());
-  auto dp_start = torch::empty_like(dp0);
+std::vector<at::Tensor> scan_backward(at::Tensor dG, at::Tensor su, at::Tensor MtT, at::Tensor keep,
+                                         at::Tensor restart, at::Tensor DGT, at::Tensor DP,
+                                         at::Tensor write, at::Tensor e) {
+  auto dp0 = at::empty({su.size(1), su.size(2), su.size(3)}, su.options());
+  auto dp_start = at::empty_like(dp0);
   AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
-    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, write, DGT, DP, dp0, dp_start);
+    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, write, e, DGT, DP, dp0, dp_start);
   });
   return {dp0, dp_start};
 }
@@ -251,12 +251,12 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, tor
 // where the guard finds the head's state outside the safe range; a padded row keeps h. Rows come in groups of
 // `columns` (one head's matrix state), normalized and guarded together. u: [B, N, R]; h: [B, N, H];
 // W1, W2: [N, H, R]; keep, restart: [B] bool or empty; h_start: [columns, N, H] (read only where restart).
-std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tensor W1, torch::Tensor W2,
-                                   torch::Tensor keep, torch::Tensor restart, torch::Tensor h_start, bool boundary,
+std::vector<at::Tensor> cp_step(at::Tensor u, at::Tensor h, at::Tensor W1, at::Tensor W2,
+                                   at::Tensor keep, at::Tensor restart, at::Tensor h_start, bool boundary,
                                    bool guard, int64_t columns) {
   const int64_t B = h.size(0), N = h.size(1), H = h.size(2), R = W1.size(2);
   TORCH_CHECK(columns >= 1 && B % columns == 0, "cp_step: rows ", B, " are not whole groups of ", columns);
-  auto out = torch::empty_like(h);
+  auto out = at::empty_like(h);
   auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h' = W1 g is a vec_mat
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "cp_step", [&] {
     const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
