@@ -4,7 +4,7 @@
   ``bilinear_lm.modeling.scan``; ``cp_step``: one decoding step of the CP state (``recurrence.reference_step``);
 * ``small_batch_linear`` (``linear.cpp``): a GEMV for the few rows of a decoding step.
 
-:func:`load` builds them once per machine (a one-line message on stderr while it compiles, about a minute on 2 cores)
+:func:`load` builds them once per machine (a one-line message on stderr while it compiles, under a minute)
 and returns the module, or ``None`` where it cannot be built (no compiler) or ``BILINEAR_LM_NO_CPP=1`` disables it;
 the model then runs the PyTorch scan and ``F.linear``. The build cache key covers the sources, this CPU's flags
 (``-march=native``), the compiler, ninja, torch and Python, so two toolchains never rebuild each other's copy.
@@ -73,7 +73,7 @@ def load():
 
                 name = build_name()
                 if not (Path(_get_build_directory(name, False)) / f"{name}.so").exists():
-                    print(f"bilinear-lm: compiling the C++ CPU kernels (once per machine, about a minute; "
+                    print(f"bilinear-lm: compiling the C++ CPU kernels (once per machine, under a minute; "
                           f"{DISABLE_ENV}=1 skips it)", file=sys.stderr, flush=True)
                 _module = load_extension(
                     name=name, sources=[str(source) for source in SOURCES],
