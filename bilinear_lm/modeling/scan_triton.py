@@ -269,6 +269,7 @@ def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write, e):
     _backward_kernel[(N, triton.cdiv(B, BLOCK_B))](
         dG.contiguous(), su.contiguous(), MtT.contiguous(), keep.to(torch.int8) if keep.numel() else dummy,
         restart.to(torch.int8) if restart.numel() else dummy, write.contiguous() if has_write else su,
-        e.contiguous() if has_write else su, DGT, DP, dp0, dp_start, T, N, B, R, HAS_KEEP=keep.numel() > 0, HAS_RESTART=restart.numel() > 0, HAS_WRITE=has_write,
-        BLOCK_B=BLOCK_B, RP=RP, PRECISION=dot_precision(RP), num_warps=num_warps(RP))
+        e.contiguous() if has_write else su, DGT, DP, dp0, dp_start, T, N, B, R, HAS_KEEP=keep.numel() > 0,
+        HAS_RESTART=restart.numel() > 0, HAS_WRITE=has_write, BLOCK_B=BLOCK_B, RP=RP, PRECISION=dot_precision(RP),
+        num_warps=num_warps(RP))
     return dp0, dp_start

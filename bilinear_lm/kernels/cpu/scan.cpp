@@ -143,10 +143,9 @@ struct GroupScan {
   }
 };
 
-std::vector<at::Tensor> scan_forward(at::Tensor u, at::Tensor Mt, at::Tensor W1, at::Tensor keep,
-                                        at::Tensor p0, int64_t chunk, int64_t offset, at::Tensor restart,
-                                        at::Tensor p_start, int64_t columns, at::Tensor write,
-                                        at::Tensor v) {
+std::vector<at::Tensor> scan_forward(at::Tensor u, at::Tensor Mt, at::Tensor W1, at::Tensor keep, at::Tensor p0,
+                                     int64_t chunk, int64_t offset, at::Tensor restart, at::Tensor p_start,
+                                     int64_t columns, at::Tensor write, at::Tensor v) {
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
   TORCH_CHECK(columns >= 1 && B % columns == 0, "scan_forward: rows ", B, " are not whole groups of ", columns);
   auto G = at::empty_like(u);
@@ -183,9 +182,9 @@ std::vector<at::Tensor> scan_forward(at::Tensor u, at::Tensor Mt, at::Tensor W1,
 // of g_t) and DP (grad of p_t leaving step t, zero where padded), and the grads of p_0 and of p_start per row; the
 // write coordinate's in log form, given e = g_t[R - 1] ([T, N, B, 1]; scan.py's docstring).
 template <typename scalar_t>
-void backward_kernel(const at::Tensor& dG, const at::Tensor& su, const at::Tensor& MtT,
-                     const at::Tensor& keep, const at::Tensor& restart, const at::Tensor& write,
-                     const at::Tensor& e, at::Tensor& DGT, at::Tensor& DP, at::Tensor& dp0, at::Tensor& dp_start) {
+void backward_kernel(const at::Tensor& dG, const at::Tensor& su, const at::Tensor& MtT, const at::Tensor& keep,
+                     const at::Tensor& restart, const at::Tensor& write, const at::Tensor& e, at::Tensor& DGT,
+                     at::Tensor& DP, at::Tensor& dp0, at::Tensor& dp_start) {
   const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
   const scalar_t* dgp = dG.data_ptr<scalar_t>();
   const scalar_t* sup = su.data_ptr<scalar_t>();
@@ -236,8 +235,8 @@ void backward_kernel(const at::Tensor& dG, const at::Tensor& su, const at::Tenso
 }
 
 std::vector<at::Tensor> scan_backward(at::Tensor dG, at::Tensor su, at::Tensor MtT, at::Tensor keep,
-                                         at::Tensor restart, at::Tensor DGT, at::Tensor DP,
-                                         at::Tensor write, at::Tensor e) {
+                                      at::Tensor restart, at::Tensor DGT, at::Tensor DP, at::Tensor write,
+                                      at::Tensor e) {
   auto dp0 = at::empty({su.size(1), su.size(2), su.size(3)}, su.options());
   auto dp_start = at::empty_like(dp0);
   AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
@@ -251,9 +250,8 @@ std::vector<at::Tensor> scan_backward(at::Tensor dG, at::Tensor su, at::Tensor M
 // where the guard finds the head's state outside the safe range; a padded row keeps h. Rows come in groups of
 // `columns` (one head's matrix state), normalized and guarded together. u: [B, N, R]; h: [B, N, H];
 // W1, W2: [N, H, R]; keep, restart: [B] bool or empty; h_start: [columns, N, H] (read only where restart).
-std::vector<at::Tensor> cp_step(at::Tensor u, at::Tensor h, at::Tensor W1, at::Tensor W2,
-                                   at::Tensor keep, at::Tensor restart, at::Tensor h_start, bool boundary,
-                                   bool guard, int64_t columns) {
+std::vector<at::Tensor> cp_step(at::Tensor u, at::Tensor h, at::Tensor W1, at::Tensor W2, at::Tensor keep,
+                                at::Tensor restart, at::Tensor h_start, bool boundary, bool guard, int64_t columns) {
   const int64_t B = h.size(0), N = h.size(1), H = h.size(2), R = W1.size(2);
   TORCH_CHECK(columns >= 1 && B % columns == 0, "cp_step: rows ", B, " are not whole groups of ", columns);
   auto out = at::empty_like(h);
