@@ -60,8 +60,12 @@ def test_run_recall_trains_on_dense_batches_and_tests_on_plain_ones(monkeypatch)
     monkeypatch.setattr(recall, "mqar", recording_mqar)
     config = RecallConfig(vocab_size=32, seq_len=16, num_pairs=2, steps=2, batch_size=4, test_size=4, hidden_size=16,
                           num_layers=1, dense_fraction=1.0)
-    recall.run_recall("lstm", config, log=lambda *_: None)
+    logged = []
+    result = recall.run_recall("lstm", config, log=logged.append, log_every=1)
     assert seen == [(0.0, [2]), (1.0, [12]), (1.0, [12])]  # the test set first, then 2 dense training batches
+    # log_every=1: a line per step, the last with the loss the result records, then the result's line
+    assert [line.split(":")[0] for line in logged[:2]] == ["lstm step 1/2", "lstm step 2/2"]
+    assert f"training loss {result['train_loss']:.4f}" in logged[1] and "test acc" in logged[2]
 
 
 def test_mqar_rejects_impossible_sizes():

@@ -653,6 +653,26 @@ def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(smal
     assert not (out / "model.safetensors").exists()
 
 
+def test_a_diverged_message_names_what_to_resume_from(tmp_path):
+    """No checkpoint in the output folder: a run resumed from another folder's checkpoint is told to resume from it
+    again; a fresh run (or one resumed from 'latest') to start again."""
+    from types import SimpleNamespace
+
+    import train
+
+    def message(resume_from_checkpoint):
+        cfg = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path), learning_rate=1e-3,
+                                                    resume_from_checkpoint=resume_from_checkpoint))
+        return train.diverged_message(cfg, 7, "the gradient norm is nan")
+
+    assert message("other/checkpoints/step_90").endswith(
+        "no checkpoint was saved since this run resumed from other/checkpoints/step_90: resume from it again with "
+        "--allow_config_change and a lower --learning_rate (or a smaller --grad_clip)")
+    assert message(None).endswith("no checkpoint was saved: start again with a lower --learning_rate (or a smaller "
+                                  "--grad_clip)")
+    assert message("latest") == message(None)
+
+
 class _NanGradient(torch.autograd.Function):
     """The identity forward; NaN backward."""
 

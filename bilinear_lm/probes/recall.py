@@ -164,8 +164,10 @@ def train_batch(config: RecallConfig, generator):
     return mqar(c.batch_size, c.seq_len, c.num_pairs, c.vocab_size, generator, dense=c.dense_fraction)
 
 
-def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int = 0, log=print) -> dict:
-    """Train ``model_name`` on MQAR for ``config.steps`` steps -> result dict with the test query accuracy."""
+def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int = 0, log=print,
+               log_every: int = 0) -> dict:
+    """Train ``model_name`` on MQAR for ``config.steps`` steps -> result dict with the test query accuracy; with
+    ``log_every`` > 0, ``log`` the training loss every ``log_every`` steps."""
     c = config
     g = torch.Generator().manual_seed(seed)
     test_x, test_y = held_out_set(c, seed)
@@ -184,6 +186,8 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
+        if log_every and (step + 1) % log_every == 0:
+            log(f"{model_name} step {step + 1}/{c.steps}: training loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     seconds = time.time() - t0
     result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"}, "lr": lr,
               "extra": dict(c.extra), "config": asdict(c), "num_params": sum(p.numel() for p in model.parameters()),

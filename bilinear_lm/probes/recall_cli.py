@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "best per number of pairs (default: 3e-3 for bilinear models, 1e-3 for the baselines)")
     p.add_argument("--extra", type=json.loads, default={}, metavar="JSON",
                    help='further BilinearConfig keys for the bilinear models, e.g. \'{"conv_width": 2}\'')
+    p.add_argument("--log-every", type=int, default=0, metavar="N",
+                   help="print the training loss every N steps (default: only each run's result)")
     add_config_flags(p, RecallConfig, exclude=("num_pairs", "lr", "extra"))
     return p
 
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
                     if run_key(model, seed, dataclasses.asdict(config)) in done:
                         continue
                     try:
-                        runs.append(run_recall(model, config, seed))
+                        runs.append(run_recall(model, config, seed, log_every=args.log_every))
                     except ValueError as err:
                         raise SystemExit(f"error: {err}") from None
                     tmp = results_path.with_suffix(".tmp")
