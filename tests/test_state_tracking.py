@@ -410,6 +410,8 @@ def test_runs_with_and_without_state_consistency_are_separate_rows():
     assert report.model_label(a) == "bilinear-cp" and report.model_label(b) == "bilinear-cp +consistency 5"
     c = dict(base, model_config={"write_channel": True}, config={**config, "write_channel": True})
     assert report.run_key(c) != report.run_key(a) and report.model_label(c) == "bilinear-cp +write"
+    d = dict(b, model_config={"write_channel": True, "state_columns": 4})  # the matrix state: its own row
+    assert report.model_label(d) == "bilinear-cp +write P=4 +consistency 5"
     for field in dataclasses.fields(ProbeConfig):  # every setting but verbose (the log only) is in the key
         changed = report.run_key(dict(base, config={**config, field.name: "other"})) != report.run_key(a)
         assert changed == (field.name != "verbose"), field.name
