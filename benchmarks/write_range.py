@@ -4,8 +4,8 @@
         --books ../shared/data/gutenberg/validation.jsonl --blocks 8 --block_size 512 --dtype float64
 
 With ``write_channel`` each head's state is ``[S; c]`` (``state_columns`` columns of ``state_size`` and one ``c``
-each): a write adds ``b k^T c``, so where ``c`` is negligible against ``S`` the head
-no longer writes and ``A`` alone runs its state. For each checkpoint this scores the first ``--blocks`` blocks of
+each): a write adds ``b k^T c``, so where ``c`` is negligible against ``S`` the head no longer writes and ``A``
+alone runs its state. For each checkpoint this scores the first ``--blocks`` blocks of
 ``--block_size`` tokens of the books (JSON lines with a ``text`` field, concatenated) in ``--dtype`` and prints, per
 bilinear layer, the distribution of ``log10(|c| / |S|)`` over (block, position, head) and the share of them below
 1e-38 (where fp32, whose smallest normal is 1.2e-38, loses the write); ``c = 0`` counts as -999.

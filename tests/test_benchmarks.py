@@ -1,5 +1,6 @@
 """benchmarks/: speed.py and equal_time.py argument handling with the timing and training replaced (no benchmark is
-run), loss_by_position.py's counting and write_range.py's measure. The benchmarks are scripts, not modules of the package: loaded by path."""
+run), loss_by_position.py's counting and write_range.py's measure. The benchmarks are scripts, not modules of the
+package: loaded by path."""
 import importlib.util
 import math
 import sys
