@@ -35,6 +35,7 @@ from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
 from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 from bilinear_lm.modeling.dispatch import cp_recurrence
+from bilinear_lm.utils import keep_freed_memory
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
 SIZES = {
@@ -278,9 +279,10 @@ def main(argv=None):
             if value not in choices and not (sized and re.fullmatch(r"(bilinear-matrix|hybrid-)[1-9]\d*", value)):
                 parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}{sized}")
 
+    kept = keep_freed_memory()  # as train.py
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "
-               f"ATen capability {torch.backends.cpu.get_cpu_capability()}")
+               f"ATen capability {torch.backends.cpu.get_cpu_capability()}, malloc keeps freed memory: {kept}")
     print(machine, flush=True)
     peaks, tables = None, [f"Machine: {machine}"]
     if "peak" in args.parts or "train" in args.parts:

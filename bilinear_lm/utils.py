@@ -1,5 +1,7 @@
 """Small helpers shared by the library's modules."""
 
+import ctypes
+import ctypes.util
 from contextlib import contextmanager
 
 
@@ -12,3 +14,20 @@ def eval_mode(model):
         yield model
     finally:
         model.train(was_training)
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's ``malloc`` keep freed memory for reuse: no ``mmap`` for large blocks, no trimming of the heap.
+
+    By default every block above 32 MiB (glibc's ceiling for its mmap threshold) is a fresh mapping, returned to the
+    system when freed, so each large activation of a training step is faulted in and zeroed by the kernel again:
+    a quarter of a CPU training step, over half for a wide matrix state (docs/results.md, "The system time of
+    wide matrix states"). The cost is that the process keeps its peak heap. Process-wide, so the command-line entry
+    points call it, not the library. Returns whether it applied (False where the C library is not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # malloc.h
+    return all(mallopt(option, value) == 1 for option, value in
+               ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1), (m_top_pad, 2**30)))

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from ..utils import keep_freed_memory
 from .config import ProbeConfig
 from .models import MODEL_NAMES, model_spec
 from .report import markdown_table, run_key, write_report
@@ -167,6 +168,7 @@ def task_from_args(name: str, m, args) -> Task:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     try:
         return _main(args)
     except ValueError as e:  # library errors name ProbeConfig fields: show them as the flags that set them

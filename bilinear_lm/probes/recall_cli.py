@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..utils import keep_freed_memory
 from .cli import add_config_flags, config_from_args, flag_error, parse_list
 from .recall import RECALL_MODELS, RecallConfig, run_recall
 from .report import recall_table
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--models: unknown {unknown}; choose from {list(RECALL_MODELS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
