@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
 def cli(argv: list[str] | None = None) -> int:
     """The command line: bad input is one line on stderr and exit status 1 (anything else is a bug and keeps its
     traceback); `--help` prints every key and exits."""
-    keep_freed_memory()  # large activations reused, not faulted in again every step (10-55% faster on CPU)
+    keep_freed_memory()  # large activations reused, not faulted in again each step (docs/training.md)
     try:
         main(argv)
     except (TrainingInputError, DataError) as err:
