@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
 from bilinear_lm.baselines import bilinear_config, build_model, count_parameters, optimizer_groups
-from bilinear_lm.modeling.dispatch import build_kernels
+from bilinear_lm.modeling.transitions import build_kernels
 from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
 from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
                                   append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change, check_launch,

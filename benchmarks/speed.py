@@ -9,11 +9,10 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
 - ``train``: training tokens/s (forward + backward + AdamW step) at each sequence length, fp32 and bf16
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
   Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines), and on request
-  ``bilinear-matrixP`` (the matrix state: write channel, ``state_columns = P``) and ``hybrid-K`` (every K-th layer
-  full attention, the others bilinear), neither parameter-matched; plus model FLOPs
+  ``hybrid-K`` (every K-th layer full attention, the others bilinear, not parameter-matched); plus model FLOPs
   utilization and the share of the bilinear step spent in the recurrence.
 - ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
-  bilinear (recurrent state; and the ``bilinear-matrixP`` and ``hybrid-K`` of ``--models``) against Llama (KV cache).
+  bilinear (recurrent state; and the ``hybrid-K`` of ``--models``) against Llama (KV cache).
 - ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
   rank 256, batch 64, lengths 2-10).
 
@@ -74,9 +73,6 @@ def build(name: str, size: str, max_positions: int = 4096):
     model_cfg = SIZES[size]
     if name == "bilinear-reference":
         return build_model("bilinear", {**model_cfg, "recurrence_impl": "reference"}, VOCAB)
-    if name.startswith("bilinear-matrix"):
-        columns = int(name.removeprefix("bilinear-matrix"))
-        return build_model("bilinear", {**model_cfg, "write_channel": True, "state_columns": columns}, VOCAB)
     if name.startswith("hybrid-"):
         layer_types = interleaved_layer_types(model_cfg["num_hidden_layers"], int(name.removeprefix("hybrid-")))
         return build_model("bilinear", {**model_cfg, "layer_types": layer_types}, VOCAB)
@@ -215,7 +211,7 @@ def part_generate(args):
     lines = ["| size | model | context | ms/token | cache KiB |", "|---|---|---|---|---|"]
     latency = {}
     size = args.sizes[-1]
-    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith(("bilinear-matrix", "hybrid-")))):
+    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith("hybrid-"))):
         torch.manual_seed(0)
         model = build(name, size, max_positions=max(args.contexts) + 64).eval()
         for context in args.contexts:
@@ -274,9 +270,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
                                   ("--models", args.models, TRAIN_MODELS), ("--precisions", args.precisions, PRECISIONS)):
-        sized = ", bilinear-matrixP or hybrid-K" if flag == "--models" else ""
+        sized = " or hybrid-K" if flag == "--models" else ""
         for value in values:
-            if value not in choices and not (sized and re.fullmatch(r"(bilinear-matrix|hybrid-)[1-9]\d*", value)):
+            if value not in choices and not (sized and re.fullmatch(r"hybrid-[1-9]\d*", value)):
                 parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}{sized}")
 
     kept = keep_freed_memory()  # as train.py

@@ -21,9 +21,9 @@ def keep_freed_memory() -> bool:
 
     By default every block above 32 MiB (glibc's ceiling for its mmap threshold) is a fresh mapping, returned to the
     system when freed, so each large activation of a training step is faulted in and zeroed by the kernel again:
-    13-19% of a CPU training step measured here, 60% for a wide matrix state (docs/results.md, issue 22's cost
-    rows). The price: the process keeps its peak heap (peak RSS 7-49% higher). Process-wide, so the command-line
-    entry points call it, not the library. Returns whether it applied (False where the C library is not glibc)."""
+    13-19% of a CPU training step measured here (docs/results-history.md, "glibc's malloc kept off mmap"). The
+    price: the process keeps its peak heap (peak RSS 7-49% higher). Process-wide, so the command-line entry points
+    call it, not the library. Returns whether it applied (False where the C library is not glibc)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):

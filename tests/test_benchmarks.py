@@ -1,5 +1,5 @@
 """benchmarks/: speed.py and equal_time.py argument handling with the timing and training replaced (no benchmark is
-run), loss_by_position.py's counting and write_range.py's measure. The benchmarks are scripts, not modules of the
+run) and loss_by_position.py's counting. The benchmarks are scripts, not modules of the
 package: loaded by path."""
 import importlib.util
 import math
@@ -21,8 +21,7 @@ def load_script(name: str):
     return module
 
 
-equal_time, gpu, loss_by_position, speed, write_range = (
-    load_script(n) for n in ("equal_time", "gpu", "loss_by_position", "speed", "write_range"))
+equal_time, gpu, loss_by_position, speed = (load_script(n) for n in ("equal_time", "gpu", "loss_by_position", "speed"))
 
 
 @pytest.fixture
@@ -49,17 +48,16 @@ def test_train_part_with_any_precision_subset(untimed, precisions, capsys):
     assert (cells[9] == "-") == ("fp32" not in measured)  # the recurrence share is an fp32 measurement
 
 
-def test_generate_part_runs_the_matrix_state_and_a_hybrid(untimed, monkeypatch, capsys):
-    """Decode rows for the matrix state and a 1:1 hybrid next to bilinear and Llama, each with its cache's bytes:
-    the recurrent state's grow with the columns, the hybrid's with the context (its attention layer's keys)."""
+def test_generate_part_runs_a_hybrid(untimed, monkeypatch, capsys):
+    """Decode rows for a 1:1 hybrid next to bilinear and Llama, each with its cache's bytes: the recurrent state's
+    constant, the hybrid's growing with the context (its attention layer's keys)."""
     monkeypatch.setitem(speed.SIZES, "tiny", {**speed.SIZES["tiny"], "num_hidden_layers": 2})
-    speed.main(["--parts", "generate", "--sizes", "tiny", "--models", "bilinear-matrix4,hybrid-2", "--contexts",
+    speed.main(["--parts", "generate", "--sizes", "tiny", "--models", "hybrid-2", "--contexts",
                 "8,16", "--new-tokens", "2"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
     cache = {(r[2].strip(), int(r[3])): float(r[5]) for r in rows}
-    assert {m for m, _ in cache} == {"bilinear", "llama", "bilinear-matrix4", "hybrid-2"}
+    assert {m for m, _ in cache} == {"bilinear", "llama", "hybrid-2"}
     assert cache[("bilinear", 8)] == cache[("bilinear", 16)] > 0
-    assert cache[("bilinear-matrix4", 16)] > cache[("bilinear", 16)]
     assert cache[("hybrid-2", 16)] > cache[("hybrid-2", 8)]
 
 
@@ -220,43 +218,3 @@ def test_loss_by_book_position_streams_a_recurrent_model_and_windows_attention(t
 def test_book_bins_end_at_the_last_position_scored():
     assert loss_by_position.clip_edges([1, 512, 2048, 8192, 32768, 131072], 32768) == [1, 512, 2048, 8192, 32769]
     assert loss_by_position.clip_edges([1, 512, 2048], 4096) == [1, 512, 2048, 4097]
-
-
-def test_write_range_ratio_by_hand():
-    """Two columns of state 2 plus c: ``|S|`` is the Frobenius norm of the columns' ``h``, ``|c|`` the norm of their
-    write coordinates; ``c = 0`` is -999."""
-    states = torch.tensor([[3.0, 0.0, 0.3, 0.0, 4.0, 0.4],     # S = [[3, 0], [0, 4]]: |S| 5, |c| 0.5
-                           [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]).view(1, 2, 1, 6)  # c = 0
-    ratio = write_range.write_ratio(states, state_size=2, columns=2)
-    torch.testing.assert_close(ratio, torch.tensor([[[-1.0], [-999.0]]]))
-    row = write_range.ratio_row(torch.tensor([-1.0, -999.0, -40.0, -2.0]))
-    assert row[0] == -999.0 and row[3] == -1.0 and row[4] == 0.5  # min, max; two of four below 1e-38
-
-
-def test_write_range_measures_each_bilinear_layer_and_names_a_checkpoint_without_writes(data_dir, tmp_path, capsys):
-    """A tiny matrix-state checkpoint with an attention layer: one row per bilinear layer, at the model's own loss
-    on the first blocks of the books; a checkpoint without the write channel is named, not a traceback."""
-    import json
-
-    from fixtures import cached_tokenizer, save_tiny_checkpoint
-
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = cached_tokenizer()
-    text = (data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_text(encoding="utf-8")[:20000]
-    books = tmp_path / "books.jsonl"
-    books.write_text(json.dumps({"text": text[:10000]}) + "\n" + json.dumps({"text": text[10000:]}) + "\n")
-    ckpt = save_tiny_checkpoint(tmp_path / "matrix", "bilinear", tokenizer=tokenizer, write_channel=True,
-                                state_columns=2, layer_types=["bilinear", "full_attention", "bilinear"],
-                                num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2)
-    write_range.main(["--checkpoints", str(ckpt), "--books", str(books), "--blocks", "2", "--block_size", "32"])
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [r[3].strip() for r in rows] == ["0", "2"]
-    ids = write_range.read_blocks(str(books), tokenizer, 2, 32)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
-    with torch.no_grad():
-        loss = model(input_ids=ids, labels=ids).loss.item()
-    assert {r[2].strip() for r in rows} == {f"{loss:.4f}"}
-    pure = save_tiny_checkpoint(tmp_path / "pure", "bilinear", tokenizer=tokenizer)
-    with pytest.raises(SystemExit, match="no write channel"):
-        write_range.main(["--checkpoints", str(pure), "--books", str(books)])

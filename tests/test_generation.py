@@ -15,13 +15,10 @@ PAD = 0
 
 
 HYBRIDS = [{"layer_types": ["bilinear", "full_attention"], "conv_width": 3, "num_key_value_heads": 2},
-           {"layer_types": ["sliding_attention", "bilinear"], "sliding_window": 4, "write_channel": True,
-            "state_columns": 2}]
+           {"layer_types": ["sliding_attention", "bilinear"], "sliding_window": 4}]
 
 
-@pytest.fixture(params=[{}, {"conv_width": 3}, {"write_channel": True},
-                        {"write_channel": True, "state_columns": 4}, *HYBRIDS],
-                ids=["pure", "conv3", "write-channel", "matrix-state", "hybrid", "hybrid-sliding"])
+@pytest.fixture(params=[{}, {"conv_width": 3}, *HYBRIDS], ids=["pure", "conv3", "hybrid", "hybrid-sliding"])
 def model(request, tiny_bilinear_config):
     """The tiny model, the same with the ablations that add cached state (the convolution gets random weights: at
     init it is the identity, which would hide a wrong cache), and hybrids with a full or sliding attention layer."""

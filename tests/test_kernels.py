@@ -72,7 +72,7 @@ def test_no_build_when_the_chosen_implementation_does_not_use_it(impl, tmp_path,
         import torch
         import bilinear_lm.kernels.cpu as cpu
         from bilinear_lm import BilinearConfig, BilinearForCausalLM
-        from bilinear_lm.modeling.dispatch import build_kernels
+        from bilinear_lm.modeling.transitions import build_kernels
         config = BilinearConfig(**{{**{tiny_bilinear_config.to_diff_dict()!r}, 'recurrence_impl': {impl!r}}})
         build_kernels(config, "cpu")
         model = BilinearForCausalLM(config)

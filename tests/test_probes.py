@@ -303,10 +303,20 @@ def test_bad_automaton_construction_names_the_problem(kwargs, match):
         Automaton(name="mine", **kwargs)
 
 
-def test_write_channel_probe_model_is_a_cp_option():
+def test_each_transition_type_gives_its_probe_defaults():
+    """The probe model of each type takes that type's defaults (``Transition.probe_overrides``): ``full`` one state
+    matrix per task symbol, the others rank = state size, ``block_diagonal`` its block size; ``--rank`` wins."""
+    from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES
     from bilinear_lm.probes import ProbeConfig, build_probe_model, make_task
 
-    model, cfg = build_probe_model("bilinear-cp", make_task("parity"), ProbeConfig(write_channel=True, state_size=8))
-    assert cfg["write_channel"] and model.config.write_channel
-    with pytest.raises(ValueError, match="write_channel is a CP option"):
-        build_probe_model("bilinear-full", make_task("parity"), ProbeConfig(write_channel=True, state_size=8))
+    task = make_task("modular_addition", 5)
+    config = ProbeConfig(state_size=8, block_size=4)
+    for mixer in MIXER_TYPES:
+        model, cfg = build_probe_model(f"bilinear-{mixer}", task, config)
+        assert model.config.mixer_type == mixer
+        assert cfg["rank"] == (task.vocab_size if mixer == "full" else 8), mixer
+        assert ("block_size" in cfg) == (mixer == "block_diagonal") and model.config.block_size in (2, 4)
+    _, cfg = build_probe_model("bilinear-full", task, ProbeConfig(state_size=8, rank=3))
+    assert cfg["rank"] == 3
+    _, cfg = build_probe_model("bilinear-block_diagonal", task, config)
+    assert cfg["block_size"] == 4

@@ -101,13 +101,13 @@ def test_query_accuracy_counts_only_queries():
 def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
     from bilinear_lm.probes.recall_cli import main
 
-    args = ["--models", "bilinear-conv-write,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
+    args = ["--models", "bilinear-conv,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
             "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
             "--state-size", "4", "--num-heads", "2", "--output-dir", str(tmp_path)]
     assert main(args) == 0
     runs = json.loads((tmp_path / "results.json").read_text())
-    assert [r["model"] for r in runs] == ["bilinear-conv-write", "lstm"]
-    assert "| bilinear-conv-write |" in (tmp_path / "table.md").read_text()
+    assert [r["model"] for r in runs] == ["bilinear-conv", "lstm"]
+    assert "| bilinear-conv |" in (tmp_path / "table.md").read_text()
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
     assert main([*args, "--steps", "3", "--models", "lstm"]) == 0  # other settings: a new run
     again = json.loads((tmp_path / "results.json").read_text())

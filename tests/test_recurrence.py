@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from bilinear_lm import BilinearConfig
+from bilinear_lm.modeling import dispatch
+from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES, RECURRENCE_IMPLS
 from bilinear_lm.modeling.modeling_bilinear import BilinearMixer
 from bilinear_lm.modeling.dispatch import cp_recurrence, recurrence
+from bilinear_lm.modeling.transitions import TRANSITIONS
 from bilinear_lm.modeling.recurrence import (
     CPTransition,
     cp_transition,
@@ -139,31 +142,10 @@ def test_cp_fast_path_matches_reference_fp32_batched_initial_state(impl):
         assert relative_error(gf, gr) < 1e-3
 
 
-def mixer_matrices(mixer, factors):
-    """Transition matrices [B, T, N, H, H] of a mixer built directly from its parameters (independent code)."""
-    cfg, transition = mixer.config, mixer.transition
-    B, T, N, F = factors.shape
-    H = cfg.state_size
-    if cfg.mixer_type == "cp":
-        return torch.einsum("nir,btnr,njr->btnij", transition.W1, factors, transition.W2)
-    if cfg.mixer_type == "full":
-        return torch.einsum("nijk,btnk->btnij", transition.W, factors)
-    if cfg.mixer_type == "block_diagonal":
-        blocks = torch.einsum("nzijk,btnk->btnzij", transition.W, factors)
-        return torch.stack([torch.stack([torch.stack([torch.block_diag(*blocks[b, t, n]) for n in range(N)])
-                                         for t in range(T)]) for b in range(B)])
-    if cfg.mixer_type == "rotation":
-        A = torch.zeros(B, T, N, H, H, dtype=factors.dtype)
-        for k in range(H // 2):
-            a, c = factors[..., 2 * k], factors[..., 2 * k + 1]
-            A[..., 2 * k, 2 * k], A[..., 2 * k, 2 * k + 1] = a, -c
-            A[..., 2 * k + 1, 2 * k], A[..., 2 * k + 1, 2 * k + 1] = c, a
-        return A
-    return torch.diag_embed(factors)
-
-
-@pytest.mark.parametrize("mixer_type", ["cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal"])
-def test_every_mixer_type_follows_its_transition_matrices(mixer_type):
+@pytest.mark.parametrize("mixer_type", list(TRANSITIONS))
+def test_every_transition_type_follows_its_transition_matrices(mixer_type):
+    """Each registered type's recurrence (the mixer's forward: factors, map, dispatch, chunked normalization, padding)
+    against the textbook loop over the matrices the class writes out itself (:meth:`Transition.matrices`), in fp64."""
     cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=6, rank=5, block_size=3,
                          mixer_type=mixer_type, norm_chunk_size=3, input_factor_init_std=0.5)
     mixer = BilinearMixer(cfg, 0).double()
@@ -173,16 +155,52 @@ def test_every_mixer_type_follows_its_transition_matrices(mixer_type):
     mask = random_mask(2, 7)
     with torch.no_grad():
         y, _, final = mixer(x, mask=mask, offset=2)
-        factors = mixer.in_proj(x)[..., : mixer.split_sizes[0]].view(2, 7, 2, -1) + mixer.transition.factor_bias
-        if mixer_type == "positive_diagonal":
-            factors = torch.sigmoid(factors)
-            assert (factors > 0).all() and (factors < 1).all()
-        states = explicit_matrix_loop(mixer_matrices(mixer, factors), mixer.h_start, mask, 3, 2)
+        factors = mixer.transition.factors(mixer.in_proj(x)[..., : mixer.split_sizes[0]].view(2, 7, 2, -1))
+        states = explicit_matrix_loop(mixer.transition.matrices(factors), mixer.h_start, mask, 3, 2)
     torch.testing.assert_close(final, states[:, -1], rtol=1e-10, atol=1e-12)
     normed = states / states.norm(dim=-1, keepdim=True) * 6 ** 0.5
     gate = torch.nn.functional.silu(mixer.in_proj(x)[..., mixer.split_sizes[0]:].detach())
     expected = mixer.out_proj(normed.flatten(2) * gate)
     torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_explicit_matrices_of_the_structured_types():
+    """The matrices the tests trust, checked against their definitions: block-diagonal zero off its blocks, rotation
+    blocks ``[[a, -c], [c, a]]``, the positive diagonal in (0, 1), and CP equal to ``W1 diag(u) W2^T``."""
+    cfg = dict(vocab_size=11, hidden_size=12, num_heads=2, state_size=6, rank=5, block_size=3)
+    u = torch.randn(4, 2, 5, dtype=torch.float64)
+    cp = TRANSITIONS["cp"](BilinearConfig(**cfg)).double()
+    cp.reset_parameters()
+    cp.double()
+    want = torch.stack([torch.stack([cp.W1[n] @ torch.diag(u[b, n]) @ cp.W2[n].T for n in range(2)])
+                        for b in range(4)])
+    torch.testing.assert_close(cp.matrices(u), want)
+    block = TRANSITIONS["block_diagonal"](BilinearConfig(**cfg, mixer_type="block_diagonal")).double()
+    block.reset_parameters()
+    block.double()
+    A = block.matrices(u)
+    assert (A[..., :3, 3:] == 0).all() and (A[..., 3:, :3] == 0).all()
+    torch.testing.assert_close(A[..., 3:, 3:], torch.einsum("nijk,bnk->bnij", block.W[:, 1], u))
+    v = torch.randn(4, 2, 6, dtype=torch.float64)
+    R = TRANSITIONS["rotation"](BilinearConfig(**cfg, mixer_type="rotation")).matrices(v)
+    a, c = v[..., 2], v[..., 3]
+    torch.testing.assert_close(R[..., 2:4, 2:4], torch.stack([torch.stack([a, -c], -1), torch.stack([c, a], -1)], -2))
+    assert (R[..., 0:2, 2:] == 0).all()
+    positive = TRANSITIONS["positive_diagonal"](BilinearConfig(**cfg, mixer_type="positive_diagonal"))
+    positive.reset_parameters()
+    factors = positive.factors(v.float())
+    assert (factors > 0).all() and (factors < 1).all()
+
+
+def test_mixer_types_name_the_registry():
+    """The config validates ``mixer_type`` against names (it imports no modeling machinery): they must be the
+    registry's, and each type's own checks run when it is built."""
+    assert MIXER_TYPES == tuple(TRANSITIONS)
+    assert RECURRENCE_IMPLS == dispatch.IMPLS
+    with pytest.raises(ValueError, match=r"state_size \(5\) must be divisible by block_size \(2\)"):
+        TRANSITIONS["block_diagonal"](BilinearConfig(mixer_type="block_diagonal", state_size=5, rank=5))
+    with pytest.raises(ValueError, match=r"state_size \(5\) must be even for mixer_type='rotation'"):
+        TRANSITIONS["rotation"](BilinearConfig(mixer_type="rotation", state_size=5, rank=5))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -210,51 +228,6 @@ def test_compiled_kernel_and_torch_scan_agree_exactly_in_fp64():
     mask = random_mask(B, T)
     outs = [cp_recurrence(u, W1, W2, h0, mask, 16, 3, impl)[0] for impl in IMPLS]
     assert relative_error(outs[1], outs[0]) < 1e-13
-
-
-def _write_channel_case(**changes):
-    """A float64 write-channel mixer (2 heads, state 4, rank 3, normalization every 3 steps), an input ``[2, 7, 12]``
-    with padding, and its input factors ``u [2, 7, 2, 3]`` and write projections ``[2, 7, 2, -1]`` (each head's
-    projection rows are ``[u | write]``)."""
-    cfg = BilinearConfig(vocab_size=11, hidden_size=12, num_heads=2, state_size=4, rank=3, norm_chunk_size=3,
-                         write_channel=True, input_factor_init_std=0.5, **changes)
-    mixer = BilinearMixer(cfg, 0)
-    mixer.reset_parameters()
-    mixer.double()
-    x = torch.randn(2, 7, 12, dtype=torch.float64)
-    mask = random_mask(2, 7)
-    raw = mixer.in_proj(x)[..., :mixer.split_sizes[0]].view(2, 7, 2, -1)
-    return mixer, x, mask, raw[..., :3] + mixer.transition.factor_bias, raw[..., 3:]
-
-
-@pytest.mark.parametrize("impl", ["reference", *IMPLS])
-def test_write_channel_follows_its_block_transition_matrices(impl):
-    """``[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}``, built explicitly from the mixer's parameters; every
-    recurrence path, states and gradients."""
-    mixer, x, mask, u, write = _write_channel_case(recurrence_impl=impl)
-    N, H = 2, 4
-    _, states, final = mixer(x, mask=mask, offset=1)
-    A = x.new_zeros(2, 7, N, H + 1, H + 1)
-    transition = mixer.transition
-    A[..., :H, :H] = torch.einsum("nir,btnr,njr->btnij", transition.W1, u, transition.W2)
-    A[..., :H, H] = write[..., :H]
-    A[..., H, H] = write[..., H].exp()
-    with torch.no_grad():
-        expected = explicit_matrix_loop(A, mixer.h_start, mask, 3, 1)
-    torch.testing.assert_close(states, expected, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(final, expected[:, -1], rtol=1e-10, atol=1e-12)
-    # Gradients of a scale-invariant loss against the same products with no normalization (7 steps stay finite).
-    h, unnormalized = mixer.h_start.expand(2, N, H + 1), []
-    for t in range(7):
-        h = torch.where(mask[:, t, None, None].bool(), torch.einsum("bnij,bnj->bni", A[:, t], h), h)
-        unnormalized.append(h)
-    unit = lambda s: s / s.norm(dim=-1, keepdim=True)
-    probe = torch.randn_like(states)
-    params = [transition.W1, transition.W2, mixer.in_proj.weight, mixer.h_start]
-    got = torch.autograd.grad((unit(states) * probe).sum(), params)
-    want = torch.autograd.grad((unit(torch.stack(unnormalized, 1)) * probe).sum(), params)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("impl", ["reference", *IMPLS])
@@ -295,8 +268,6 @@ def test_compiled_decoding_step_equals_the_reference_step(dtype, tol, monkeypatc
     """Decoding (one position, no gradients) of the CP map runs the C++ ``cp_step``: equal to ``reference_step`` with
     padding, restarts, a chunk boundary and the overflow guard (one row far out of range), at sizes that take every
     column block of its vector-matrix products (115 = 64 + 32 + 16 + 3, 48 = 32 + 16)."""
-    from bilinear_lm.modeling import dispatch
-
     if dispatch.load_cpu_kernels is None or dispatch.load_cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
     B, N, H, R = 4, 2, 115, 48

@@ -11,7 +11,7 @@ import torch
 from bilinear_lm.baselines import LSTMConfig, LSTMLanguageModel
 from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES
 from bilinear_lm.probes import (MODEL_NAMES, ProbeConfig, build_probe_model, class_logits, evaluate, make_task,
-                                read_states, run_probe, state_consistency_loss)
+                                run_probe, state_consistency_loss)
 from bilinear_lm.probes import cli as st
 from bilinear_lm.probes import report
 
@@ -338,26 +338,6 @@ def test_state_consistency_reads_the_states_the_model_reads_out():
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-def test_state_consistency_reads_h_without_the_write_coordinate():
-    """With the write channel (vector or matrix state) the center loss compares every column's h, not the write
-    coordinate c: c is the same whatever the label, and a loss that counted it was met by letting c outgrow h."""
-    task = make_task("random_fsm", 4)
-    for P in (1, 2):
-        config = dataclasses.replace(TINY_CONFIG, write_channel=True, state_columns=P)
-        model, _ = build_probe_model("bilinear-cp", task, config)
-        x, y = task.sample(3, 6, torch.Generator().manual_seed(0))
-        (states,) = model(input_ids=x, use_cache=False, output_mixer_states=True).mixer_states
-        assert states.shape == (3, 6, 1, P * 9)
-        (h,) = read_states((states,), model.config)
-        torch.testing.assert_close(h, states.unflatten(-1, (P, 9))[..., :8].flatten(-2))
-        grown = states.unflatten(-1, (P, 9)).clone()
-        grown[..., 8:] *= 1e3  # c outgrows h: the loss does not move
-        torch.testing.assert_close(state_consistency_loss(read_states((grown.flatten(-2),), model.config), y, 4),
-                                   state_consistency_loss((h,), y, 4))
-    plain, _ = build_probe_model("bilinear-cp", task, TINY_CONFIG)
-    assert read_states((states,), plain.config)[0] is states  # no write channel: the states as they are
-
-
 def test_state_consistency_changes_training_and_is_recorded(tmp_path):
     """Same seed and data: the center loss changes the weights (cross-entropy logged apart), and is recorded."""
     runs = {}
@@ -382,19 +362,18 @@ def test_state_consistency_loss_names_a_capture_mismatch():
 
 def test_sweep_into_a_results_file_reruns_only_the_same_settings(tmp_path, capsys):
     """A sweep skips a run already in its results file only when every setting matches: a plain run is not taken for
-    a write-channel, gated, other-rank or other-size run (nor the other way round)."""
+    a gated, other-rank or other-size run (nor the other way round)."""
     base = ["--sweep", "--tasks", "parity", "--models", "bilinear-cp", "--steps", "2", "--test-lengths", "12",
             "--val-length", "12", "--output-dir", str(tmp_path), *TINY]
-    variants = [[], ["--write-channel"], ["--gate"], ["--rank", "4"], ["--state-size", "4"], ["--hidden-size", "4"]]
+    variants = [[], ["--gate"], ["--rank", "4"], ["--state-size", "4"], ["--hidden-size", "4"]]
     for extra in variants:
         st.main([*base, *extra])
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert len(runs) == len(variants)
     configs = [r["model_config"] for r in runs]
-    assert [c.get("write_channel", False) for c in configs] == [False, True, False, False, False, False]
-    assert [c["use_gate"] for c in configs] == [False, False, True, False, False, False]
+    assert [c["use_gate"] for c in configs] == [False, True, False, False, False]
     assert [(c["rank"], c["state_size"], c["hidden_size"]) for c in configs] == [
-        (8, 8, 8), (8, 8, 8), (8, 8, 8), (4, 8, 8), (4, 4, 8), (8, 8, 4)]
+        (8, 8, 8), (8, 8, 8), (4, 8, 8), (4, 4, 8), (8, 8, 4)]
     capsys.readouterr()
     for extra in variants:  # each again: all done
         st.main([*base, *extra])
@@ -408,10 +387,6 @@ def test_runs_with_and_without_state_consistency_are_separate_rows():
     a, b = dict(base), dict(base, state_consistency=5.0, config={**config, "state_consistency": 5.0})
     assert report.run_key(a) != report.run_key(b)
     assert report.model_label(a) == "bilinear-cp" and report.model_label(b) == "bilinear-cp +consistency 5"
-    c = dict(base, model_config={"write_channel": True}, config={**config, "write_channel": True})
-    assert report.run_key(c) != report.run_key(a) and report.model_label(c) == "bilinear-cp +write"
-    d = dict(b, model_config={"write_channel": True, "state_columns": 4})  # the matrix state: its own row
-    assert report.model_label(d) == "bilinear-cp +write P=4 +consistency 5"
     for field in dataclasses.fields(ProbeConfig):  # every setting but verbose (the log only) is in the key
         changed = report.run_key(dict(base, config={**config, field.name: "other"})) != report.run_key(a)
         assert changed == (field.name != "verbose"), field.name

@@ -48,25 +48,25 @@ def test_bad_preset_values_are_one_line_errors_naming_the_key(tmp_path, preset_t
 def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_them():
     from bilinear_lm.baselines import build_model
 
-    cfg = parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.write_channel", "1",
+    cfg = parse_config(["--config", PRESET, "--model.conv_width", "4", "--model.additive_input", "1",
                         "--model.hidden_act", "gelu", "--model.reset_state_at_eos", "yes",
                         "--model.rms_norm_eps", "1e-6", "--model.intermediate_size", "96"])
     model = cfg.model
     assert model["conv_width"] == 4 and type(model["conv_width"]) is int
-    assert model["write_channel"] is True and model["reset_state_at_eos"] is True  # bools, not the int 1 / "yes"
+    assert model["additive_input"] is True and model["reset_state_at_eos"] is True  # bools, not the int 1 / "yes"
     assert model["hidden_act"] == "gelu"
     assert model["rms_norm_eps"] == 1e-6 and type(model["rms_norm_eps"]) is float
     assert model["intermediate_size"] == 96
     built = build_model("bilinear", {**model, "eos_token_id": 0}, vocab_size=65)
-    assert built.config.conv_width == 4 and built.config.write_channel is True
+    assert built.config.conv_width == 4 and built.config.additive_input is True
     assert built.config.hidden_act == "gelu" and built.config.reset_state_at_eos is True
     # a string-typed key keeps what YAML would turn into a bool; a bare flag is true; "=" works as a separator
     assert parse_config(["--model.hidden_act", "yes"]).model["hidden_act"] == "yes"
-    assert parse_config(["--model.write_channel"]).model["write_channel"] is True
+    assert parse_config(["--model.additive_input"]).model["additive_input"] is True
     assert parse_config(["--model.initializer_range=-0.5"]).model["initializer_range"] == -0.5
     assert parse_config(["--model.eos_token_id", "[1, 2]"]).model["eos_token_id"] == [1, 2]  # int | list: as YAML
-    with pytest.raises(TrainingInputError, match="argument --model.write_channel: invalid bool value: 'maybe'"):
-        parse_config(["--model.write_channel", "maybe"])
+    with pytest.raises(TrainingInputError, match="argument --model.additive_input: invalid bool value: 'maybe'"):
+        parse_config(["--model.additive_input", "maybe"])
     for value in ("4.5", "4.0"):  # ints are written as ints, as for the training keys
         with pytest.raises(TrainingInputError, match=f"argument --model.conv_width: invalid int value: '{value}'"):
             parse_config(["--model.conv_width", value])
@@ -74,9 +74,9 @@ def test_new_model_options_parse_with_their_types_when_the_preset_does_not_set_t
 
 def test_preset_model_values_are_typed(tmp_path):
     preset = tmp_path / "p.yaml"
-    preset.write_text("model:\n  hidden_size: 64\n  rms_norm_eps: 1e-6\n  write_channel: true\n")
+    preset.write_text("model:\n  hidden_size: 64\n  rms_norm_eps: 1e-6\n  additive_input: true\n")
     model = parse_config(["--config", str(preset)]).model
-    assert model == {"hidden_size": 64, "rms_norm_eps": 1e-6, "write_channel": True}  # YAML reads 1e-6 as a string
+    assert model == {"hidden_size": 64, "rms_norm_eps": 1e-6, "additive_input": True}  # YAML reads 1e-6 as a string
     assert type(model["rms_norm_eps"]) is float
 
 
@@ -87,7 +87,7 @@ def test_help_lists_every_key_and_every_model_key_with_its_type(capsys):
         train.cli(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for pattern in (r"--model.conv_width +int +0\n", r"--model.write_channel +bool +False\n",
+    for pattern in (r"--model.conv_width +int +0\n", r"--model.additive_input +bool +False\n",
                     r"--model.hidden_act +str +'silu'\n", r"--model.reset_state_at_eos +bool +False\n",
                     r"--model.vocab_size +int +len\(tokenizer\)\n", r"--max_steps MAX_STEPS.*\n +optimizer steps",
                     r"--config CONFIG +a YAML preset", r"--model_type \{bilinear,llama,mamba,lstm\}"):
@@ -138,7 +138,7 @@ def _expected_bilinear(layers, conv=False, transition=("W1", "W2"), tied=True):
 
 @pytest.mark.parametrize("extra, expected", [
     ({}, dict()),
-    ({"conv_width": 4, "write_channel": True}, dict(conv=True)),
+    ({"conv_width": 4}, dict(conv=True)),
     ({"mixer_type": "full"}, dict(transition=("W",))),
     ({"mixer_type": "diagonal"}, dict(transition=())),
     ({"tie_word_embeddings": False}, dict(tied=False)),
@@ -194,7 +194,7 @@ def test_train_py_builds_adamw_on_the_models_groups():
                              ("llama", None)):
         cfg = parse_config(["--config", PRESET, "--model_type", model_type, "--weight_decay", "0.3",
                             *[x for k, v in SMALL.items() for x in (f"--model.{k}", str(v))],
-                            "--model.conv_width", "4", "--model.write_channel", "true"])
+                            "--model.conv_width", "4", "--model.additive_input", "true"])
         model, optimizer, scheduler = train.build_model_and_optimizer(cfg, accelerator, tokenizer)
         groups = optimizer.param_groups
         assert [g["weight_decay"] for g in groups] == [0.3, 0.0]

@@ -22,54 +22,37 @@ def relative_error(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("T,B,R,H,chunk,offset,masked,restarts,scale,dtype,columns,write", [
-    (1, 3, 6, 6, 1, 0, False, False, 1.0, torch.float32, 1, False),
-    (21, 24, 6, 5, 4, 1, True, True, 1.0, torch.float64, 4, False),  # matrix states: groups of 4 rows normalized together
-    (21, 24, 6, 5, 4, 1, True, True, 1.0, torch.float64, 4, True),  # the same with the write coordinate
-    (19, 64, 5, 4, 8, 0, True, True, 1e4, torch.float64, 32, True),  # groups wider than the 16-row block; the guard
-    (33, 19, 7, 5, 4, 1, True, True, 1.0, torch.float64, 1, False),  # B not a multiple of the 16-row block; R, H odd
-    (65, 3, 20, 9, 16, 5, True, False, 1e4, torch.float64, 1, False),  # every row overflows: the guard redoes segments
-    (40, 5, 6, 6, 16, 0, False, True, 1e-4, torch.float64, 1, False),  # every row underflows
-    (33, 17, 18, 33, 0, 0, True, True, 1.0, torch.float32, 1, False),  # no normalization; R, H past a power of two
-    (17, 5, 17, 9, 4, 2, True, True, 1.0, torch.float32, 1, True),  # write: a 16-wide tile beside the write coordinate
+@pytest.mark.parametrize("T,B,R,H,chunk,offset,masked,restarts,scale,dtype", [
+    (1, 3, 6, 6, 1, 0, False, False, 1.0, torch.float32),
+    (21, 24, 6, 5, 4, 1, True, True, 1.0, torch.float64),  # two 16-row blocks, the second partial
+    (33, 19, 7, 5, 4, 1, True, True, 1.0, torch.float64),  # B not a multiple of the 16-row block; R, H odd
+    (65, 3, 20, 9, 16, 5, True, False, 1e4, torch.float64),  # every row overflows: the guard redoes segments
+    (40, 5, 6, 6, 16, 0, False, True, 1e-4, torch.float64),  # every row underflows
+    (33, 17, 18, 33, 0, 0, True, True, 1.0, torch.float32),  # no normalization; R, H past a power of two
 ])
-def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, restarts, scale, dtype, columns,
-                                             write):
-    """Forward and backward loops; with ``write`` the layout of ``scan.py``'s docstring (the last rank coordinate is
-    the write channel's: ``u`` 1 there, ``Mt`` and ``W1`` zero)."""
+def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, restarts, scale, dtype):
+    """Forward and backward loops, every output of each."""
     g = torch.Generator().manual_seed(T + B)
     N = 2
     u = (1 + 0.5 * torch.randn(T, N, B, R, generator=g, dtype=dtype)) * scale
     W1 = torch.randn(N, H, R, generator=g, dtype=dtype) / R ** 0.5
     Mt = torch.einsum("nhr,nhs->nrs", W1, torch.randn(N, H, R, generator=g, dtype=dtype) / H ** 0.5).contiguous()
     p0 = torch.randn(N, B, R, generator=g, dtype=dtype)
-    writes = v = u.new_empty(0)  # no write coordinate
-    if write:
-        u[..., -1], W1[..., -1], Mt[:, -1], Mt[:, :, -1] = 1.0, 0.0, 0.0, 0.0
-        writes = torch.randn(T, N, B, R, generator=g, dtype=dtype)
-        writes[..., -1] = torch.rand(T, N, B, generator=g, dtype=dtype) + 0.5  # gamma
-        v = torch.randn(T, N, B, H, generator=g, dtype=dtype)
-    # A row's padding and restarts are those of its group (the columns of one sequence's state).
-    keep = (torch.rand(T, B // columns, generator=g) > 0.3).repeat_interleave(columns, 1) if masked \
-        else torch.empty(0, dtype=torch.bool)
-    restart = (torch.rand(T, B // columns, generator=g) > 0.8).repeat_interleave(columns, 1) if restarts \
-        else torch.empty(0, dtype=torch.bool)
+    keep = torch.rand(T, B, generator=g) > 0.3 if masked else torch.empty(0, dtype=torch.bool)
+    restart = torch.rand(T, B, generator=g) > 0.8 if restarts else torch.empty(0, dtype=torch.bool)
     if masked and restarts:
         restart &= keep
-    p_start = torch.randn(N, columns, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
+    p_start = torch.randn(N, R, generator=g, dtype=dtype) if restarts else torch.empty(0, dtype=dtype)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns, writes, v)
-    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns, writes, v)
+    expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
     for name, a, b in zip("GPS", got, expected):
         assert relative_error(a, b) < tol, name
     dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
     MtT = Mt.transpose(1, 2).contiguous()
-    e = expected[0][..., -1:].contiguous() if write else u.new_empty(0)  # the write coordinate of every g_t
-    if write:
-        su[..., -1] = 1.0  # log form there (scan's docstring)
     filled = [[torch.empty_like(u), torch.empty_like(u)] for _ in range(2)]
-    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0], writes, e), *filled[0]]
-    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1], writes, e), *filled[1]]
+    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0]), *filled[0]]
+    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1]), *filled[1]]
     for name, a, b in zip(["dp0", "dp_start", "DGT", "DP"], got, expected):
         assert relative_error(a, b) < tol, name
 
@@ -97,26 +80,6 @@ def test_triton_recurrence_equals_the_reference_loop_with_every_gradient():
         assert relative_error(got, want) < 1e-10, name
 
 
-def test_triton_write_channel_equals_the_reference_loop_with_every_gradient():
-    """The write channel on the Triton path (the write coordinate beside the tile) against the loop over ``[h; c]``."""
-    B, T, N, H, R = 2, 19, 2, 5, 7
-    g = torch.Generator().manual_seed(1)
-    f = torch.cat([1 + 0.5 * torch.randn(B, T, N, R, generator=g, dtype=torch.float64),
-                   torch.randn(B, T, N, H, generator=g, dtype=torch.float64),
-                   torch.rand(B, T, N, 1, generator=g, dtype=torch.float64) + 0.5], dim=-1).requires_grad_()
-    W1 = torch.randn(N, H, R, generator=g, dtype=torch.float64).div(R ** 0.5).requires_grad_()
-    W2 = torch.randn(N, H, R, generator=g, dtype=torch.float64).div(H ** 0.5).requires_grad_()
-    h0 = torch.randn(N, H + 1, generator=g, dtype=torch.float64).requires_grad_()
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[1, :4] = 0
-    results = [cp_recurrence(f, W1, W2, h0, mask, 8, 3, impl, write=True) for impl in ("triton", "reference")]
-    weights = torch.randn_like(results[0][0])
-    grads = [torch.autograd.grad((s * weights).sum(), [f, W1, W2, h0]) for s, _ in results]
-    assert relative_error(results[0][0], results[1][0]) < 1e-11
-    for name, got, want in zip(["f", "W1", "W2", "h0"], *grads):
-        assert relative_error(got, want) < 1e-10, name
-
-
 def test_explicit_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     u = torch.ones(1, 4, 1, 2)
@@ -125,9 +88,8 @@ def test_explicit_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypat
 
 
 def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
-    """``triton.compile`` for sm_90 (ptxas ships with Triton; no GPU needed) at every padded rank the kernels use, for
-    vector states and for matrix states of 16 columns, with and without the write channel (two processes, each
-    half of the ranks: ptxas is single-threaded)."""
+    """``triton.compile`` for sm_90 (ptxas ships with Triton; no GPU needed) at every padded rank the kernels use (two
+    processes, each half of the ranks: ptxas is single-threaded)."""
     script = textwrap.dedent("""
         import sys
         import triton
@@ -136,21 +98,19 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
         from bilinear_lm.modeling import scan_triton as ts
 
         common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
-        forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "write_ptr", "v_ptr",
-                                              "G_ptr", "P_ptr", "S_ptr"]},
+        forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",
+                                              "S_ptr"]},
                    **common, **{a: "i32" for a in "T N B R H chunk offset".split()}}
-        backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "write_ptr", "e_ptr", "DGT_ptr", "DP_ptr",
-                                               "dp0_ptr", "dps_ptr"]}, **common, **{a: "i32" for a in "T N B R".split()}}
+        backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "DGT_ptr", "DP_ptr", "dp0_ptr", "dps_ptr"]},
+                    **common, **{a: "i32" for a in "T N B R".split()}}
         for RP in map(int, sys.argv[1:]):
-            for write in (False, True):
-                flags = {"HAS_KEEP": True, "HAS_RESTART": True, "HAS_WRITE": write, "BLOCK_B": ts.BLOCK_B, "RP": RP,
-                         "PRECISION": ts.dot_precision(RP)}
-                for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP, "COLUMNS": 1}),
-                                                  (ts._forward_kernel, forward, {**flags, "HP": RP, "COLUMNS": 16}),
-                                                  (ts._backward_kernel, backward, flags)):
-                    source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)
-                    print("kernel", kernel.fn.__name__, RP, write, flush=True)
-                    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ts.num_warps(RP)})
+            flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP,
+                     "PRECISION": ts.dot_precision(RP)}
+            for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP}),
+                                              (ts._backward_kernel, backward, flags)):
+                source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)
+                print("kernel", kernel.fn.__name__, RP, flush=True)
+                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ts.num_warps(RP)})
         print("compiled")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -164,9 +124,8 @@ def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0 and "compiled" in out, err[-3000:]
         stdout += out
-    kernels = re.findall(r"kernel (\w+) (\d+) (\w+)", stdout)
+    kernels = re.findall(r"kernel (\w+) (\d+)", stdout)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", stdout)]
-    assert len(spills) == len(kernels) == 24, stdout[-3000:]
-    for (name, RP, write), spill in zip(kernels, spills):  # the write's forward: a few bytes from rank 64 up (module doc)
-        allowed = 32 if name == "_forward_kernel" and write == "True" and int(RP) >= 64 else 0
-        assert spill <= allowed, (name, RP, write, spill)
+    assert len(spills) == len(kernels) == 8, stdout[-3000:]
+    for (name, RP), spill in zip(kernels, spills):
+        assert spill == 0, (name, RP, spill)

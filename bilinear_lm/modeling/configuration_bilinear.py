@@ -1,11 +1,10 @@
-"""Configuration of bilinear recurrent language models."""
+"""Configuration of bilinear recurrent language models. It imports nothing of the machinery it configures: names
+are validated here, each transition type checks the fields it needs when it is built (``transitions.py``)."""
 
 from transformers import PreTrainedConfig
 
-from .dispatch import IMPLS as RECURRENCE_IMPLS
-from .transitions import TRANSITIONS
-
-MIXER_TYPES = tuple(TRANSITIONS)  # the built-in transition types
+MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive_diagonal")  # TRANSITIONS' keys
+RECURRENCE_IMPLS = ("auto", "cpp", "triton", "torch", "reference")  # what dispatch.resolve_impl chooses among
 ACTIVATIONS = ("silu", "gelu", "relu")
 LAYER_TYPES = ("bilinear", "full_attention", "sliding_attention")  # the values of BilinearConfig.layer_types
 
@@ -37,8 +36,6 @@ class BilinearConfig(PreTrainedConfig):
     - `rotation`: 2x2 rotation/scaling blocks (a complex diagonal), each entry linear in `x`.
     - `diagonal`: a real diagonal, linear in `x` (may be negative).
     - `positive_diagonal`: a diagonal in (0, 1) (`sigmoid`), Mamba-like.
-    - `identity`: `A = I`, nothing learned: with `write_channel` and `state_columns`, gated linear attention (the
-      ablation of `A`).
 
     Because the update is homogeneous in `h` and every head's output normalizes its own state, the model is
     exactly invariant to the scale of each head's state: every `norm_chunk_size` positions the state is divided
@@ -58,15 +55,6 @@ class BilinearConfig(PreTrainedConfig):
     disables it). It leaves the recurrence untouched: the cache also holds each layer's last `conv_width - 1`
     inputs.
 
-    `write_channel=True` (CP only) gives each head one more state coordinate `c` with
-    `[h; c]_t = [[A(x), b(x)], [0, gamma(x)]] [h; c]_{t-1}` (`gamma = exp(linear(x))`): an additive-like write path
-    with a forget rate, while the update stays linear and homogeneous in `[h; c]`, so normalization stays exact.
-    `state_columns = P > 1` makes each head's state a matrix of `P` columns, each transformed by `A(x)`, read out by
-    a query, `y = StateNorm(S q(x))` (`P * state_size` floats per head; a power of two). With the write channel the
-    write is a key-value outer product through the homogeneous coordinate, `S_t = A(x) S_{t-1} + b(x) k(x)^T c_{t-1}`,
-    `c_t = gamma(x) c_{t-1}` (`k` unit-norm): linear attention where `A = I` and `gamma = 1`, and still linear and
-    homogeneous in `(S, c)`, so normalization stays exact. `P = 1` is the vector state (with the write channel:
-    `k = q = 1`).
     `input_factor_multiplier` scales the input factors' projection in the forward pass,
     `u(x) = factor_bias + input_factor_multiplier * (W_u x)`, with `W_u` initialized at
     `input_factor_init_std / input_factor_multiplier` (the same model at initialization). Under Adam, whose steps
@@ -102,8 +90,6 @@ class BilinearConfig(PreTrainedConfig):
     block_size: int = 2
     additive_input: bool = False
     conv_width: int = 0
-    write_channel: bool = False
-    state_columns: int = 1
     reset_state_at_eos: bool = False
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
@@ -147,7 +133,7 @@ class BilinearConfig(PreTrainedConfig):
 
     def _validate(self):
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "state_size", "rank",
-                    "block_size", "intermediate_size", "state_columns")
+                    "block_size", "intermediate_size")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -162,39 +148,16 @@ class BilinearConfig(PreTrainedConfig):
                 or self.conv_width == 1:
             raise ValueError(f"BilinearConfig.conv_width must be 0 (no convolution) or an integer >= 2, "
                              f"got {self.conv_width!r}")
-        if self.mixer_type not in TRANSITIONS:  # the live registry: a type registered by a user is valid too
-            raise ValueError(f"BilinearConfig.mixer_type must be one of {tuple(TRANSITIONS)}, got {self.mixer_type!r}")
+        if self.mixer_type not in MIXER_TYPES:
+            raise ValueError(f"BilinearConfig.mixer_type must be one of {MIXER_TYPES}, got {self.mixer_type!r}")
         if self.recurrence_impl not in RECURRENCE_IMPLS:
             raise ValueError(
                 f"BilinearConfig.recurrence_impl must be one of {RECURRENCE_IMPLS}, got {self.recurrence_impl!r}"
             )
-        if self.write_channel and (self.mixer_type not in ("cp", "identity") or self.additive_input):
-            raise ValueError("BilinearConfig.write_channel needs mixer_type='cp' (or 'identity') without "
-                             f"additive_input (it is a CP transition on [h; c]); got mixer_type={self.mixer_type!r}, "
-                             f"additive_input={self.additive_input}")
-        if self.mixer_type == "identity" and not self.write_channel:
-            raise ValueError("BilinearConfig.mixer_type='identity' (A = I) needs write_channel=True: without writes "
-                             "its state never changes")
-        if self.state_columns & (self.state_columns - 1):
-            raise ValueError(f"BilinearConfig.state_columns must be a power of two (1, 2, 4, ...), got "
-                             f"{self.state_columns}")
-        if self.state_columns > 1 and self.additive_input:
-            raise ValueError("BilinearConfig.state_columns > 1 works without additive_input (the matrix state's "
-                             "write is the write channel's); set it to False")
         if self.reset_state_at_eos and self.eos_token_id is None:
             raise ValueError("BilinearConfig.reset_state_at_eos needs eos_token_id (the token that ends a document)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BilinearConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
-        if self.mixer_type == "block_diagonal" and self.state_size % self.block_size:
-            raise ValueError(
-                f"BilinearConfig.state_size ({self.state_size}) must be divisible by block_size "
-                f"({self.block_size}) for mixer_type='block_diagonal'"
-            )
-        if self.mixer_type == "rotation" and self.state_size % 2:
-            raise ValueError(
-                f"BilinearConfig.state_size ({self.state_size}) must be even for mixer_type='rotation' "
-                "(2x2 blocks)"
-            )
         if not self.rms_norm_eps > 0:
             raise ValueError(f"BilinearConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.initializer_range > 0 or not self.input_factor_init_std >= 0:

@@ -118,8 +118,7 @@ class BilinearCache(DynamicCache):
 @dataclass
 class BilinearModelOutput(BaseModelOutputWithPast):
     """``BaseModelOutputWithPast`` plus ``mixer_states``: with ``output_mixer_states=True``, one
-    ``[batch, seq_len, heads, S]`` tensor per bilinear layer (``S = state_size``, plus 1 with the write channel:
-    ``[h; c]``), the recurrent state after each position (each head's state is defined up to a positive factor:
+    ``[batch, seq_len, heads, state_size]`` tensor per bilinear layer, the recurrent state after each position (each head's state is defined up to a positive factor:
     compare directions)."""
 
     mixer_states: tuple[torch.Tensor, ...] | None = None
@@ -196,40 +195,36 @@ class BilinearMixer(nn.Module):
     The mixer owns the projections and the readout; ``transition`` (a class of ``transitions.TRANSITIONS``, by
     ``mixer_type``) owns ``A`` and runs the recurrence. ``forward(x, state, mask, offset, reset) -> (y, states,
     final)``: the layer receives and returns its state (``states``: the state after every position,
-    ``[B, T, heads, P * S]``); a missing ``state`` starts from the learned ``h_start``. With ``state_columns = P > 1``
-    a query reads the matrix state out, ``y = StateNorm(S q(x))``.
+    ``[B, T, heads, state_size]``); a missing ``state`` starts from the learned ``h_start``.
     """
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        N, H, P = config.num_heads, config.state_size, config.state_columns
-        self.num_heads, self.state_size, self.columns = N, H, P
+        N, H = config.num_heads, config.state_size
+        self.num_heads, self.state_size = N, H
         self.transition = TRANSITIONS[config.mixer_type](config)
-        self.input_size = self.transition.input_size
-        # One fused input projection: [transition inputs | output gate | additive input | query].
-        self.split_sizes = [N * self.input_size, N * H if config.use_gate else 0, N * H if config.additive_input else 0,
-                            N * P if P > 1 else 0]
+        self.factor_size = self.transition.factor_size
+        # One fused input projection: [transition inputs | output gate | additive input].
+        self.split_sizes = [N * self.factor_size, N * H if config.use_gate else 0, N * H if config.additive_input else 0]
         self.in_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
-        self.h_start = nn.Parameter(torch.empty(N, P * self.transition.state_size))
+        self.h_start = nn.Parameter(torch.empty(N, H))
         self.state_norm = BilinearStateNorm(N, H)
         self.out_proj = nn.Linear(N * H, config.hidden_size, bias=False)
 
     @torch.no_grad()
     def reset_parameters(self):
         """The transition's own initialization, projections at ``initializer_range`` (the transition's rows at its
-        own std: the input factors start at ``1 + small noise``), a random unit start state (extra coordinates, e.g.
-        the write channel's, at 1; each column of a matrix state likewise), and the output projection scaled down with
-        depth (GPT-2)."""
-        cfg, N, H, P = self.config, self.num_heads, self.state_size, self.columns
+        own std: the input factors start at ``1 + small noise``), a random unit start state, and the output projection
+        scaled down with depth (GPT-2)."""
+        cfg, N = self.config, self.num_heads
         self.transition.reset_parameters()
         row_std = torch.full((self.in_proj.weight.shape[0], 1), cfg.initializer_range)
         row_std[:self.split_sizes[0], 0] = self.transition.input_init_std().repeat(N)
         init.copy_(self.in_proj.weight, torch.randn(self.in_proj.weight.shape) * row_std)
-        h = torch.randn(N, P, H)
-        extra = self.transition.state_size - H
-        init.copy_(self.h_start, torch.cat([h / h.norm(dim=-1, keepdim=True), h.new_ones(N, P, extra)], -1).flatten(1))
+        h = torch.randn(N, self.state_size)
+        init.copy_(self.h_start, h / h.norm(dim=-1, keepdim=True))
         init.ones_(self.state_norm.weight)
         init.normal_(self.out_proj.weight, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
 
@@ -238,19 +233,15 @@ class BilinearMixer(nn.Module):
         ``h_start``). The recurrence runs in at least fp32, outside autocast: long products of transitions need the
         range."""
         B, T, _ = x.shape
-        N, H, P = self.num_heads, self.state_size, self.columns
+        N, H = self.num_heads, self.state_size
         with torch.autocast(device_type=x.device.type, enabled=False):
-            raw, gate, additive, query = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
+            raw, gate, additive = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
             dtype = torch.promote_types(x.dtype, torch.float32)
-            raw = raw.to(dtype).view(B, T, N, self.input_size)
+            raw = raw.to(dtype).view(B, T, N, self.factor_size)
             additive = additive.to(dtype).view(B, T, N, H) if self.config.additive_input else None
             h0 = self.h_start if state is None else state
             states, final = self.transition(raw, h0, self.h_start, mask, offset, additive, reset)
-        # The readout normalizes h (without the write channel's c: invariant to the scale of [h; c] together); a
-        # matrix state is read by the query first, y = S q.
-        h = states.unflatten(-1, (P, -1))[..., :H]
-        h = h[..., 0, :] if P == 1 else torch.einsum("btnph,btnp->btnh", h, query.to(h.dtype).view(B, T, N, P))
-        y = self.state_norm(h).flatten(2).to(x.dtype)
+        y = self.state_norm(states).flatten(2).to(x.dtype)
         if self.config.use_gate:
             y = y * F.silu(gate)
         return linear(self.out_proj, y), states, final

@@ -16,11 +16,6 @@ Every mixer runs, per head, ``h_t = A(x_t) h_{t-1}`` (plus ``b_t`` only in the a
 Shapes: batch ``B``, time ``T``, heads ``N``, state ``H``, input factors ``F``. States are ``[B, T, N, H]``,
 initial and final states ``[B, N, H]`` (an initial state ``[N, H]`` is broadcast over the batch).
 
-A matrix-valued state (``columns = P > 1``: each head's state is ``P`` columns of ``H``) runs as ``B = batch * P``
-rows, the ``P`` columns of one head consecutive: each column evolves by its own factors, and the chunked
-normalization and the overflow guard act on a head's whole state, one positive factor for all its columns
-(:func:`over_columns`), so the columns keep their ratios and every output that reads them together stays exact.
-
 :func:`reference_recurrence` is the specification: a plain loop, generic over the transition, usable in fp64;
 :func:`reference_step` is one step of it (decoding). The fast implementations of the CP transition (PyTorch, C++,
 Triton scans) and the one function that chooses among them live in ``dispatch.py``.
@@ -51,42 +46,6 @@ class CPTransition:
 
     def __call__(self, h, u_t):
         return cp_transition(h, u_t, self.W1, self.W2)
-
-
-def cp_write_transition(h, f_t, W1, W2):
-    """The write channel: ``[h; c] -> [A(x_t) h + v_t c; gamma_t c]`` with ``A(x_t) h = cp_transition(h, u_t, W1, W2)``
-    and ``f_t = [u_t | v_t | gamma_t]`` (``[B, N, R + H + 1]``), on states ``[B, N, H + 1]``: linear and homogeneous in
-    ``[h; c]``, yet ``v_t c`` writes like an additive input, forgotten at the rate ``gamma`` relative to ``A``."""
-    H, R = W1.shape[1:]
-    u, v, gamma = f_t.split([R, H, 1], dim=-1)
-    x, c = h[..., :H], h[..., H:]
-    return torch.cat([cp_transition(x, u, W1, W2) + v * c, gamma * c], dim=-1)
-
-
-@dataclass(frozen=True)
-class CPWriteTransition:
-    """The CP transition with the write channel, weights bound: ``CPWriteTransition(W1, W2)(h, f_t) =
-    cp_write_transition(h, f_t, W1, W2)``. The rank-space scans run it with the write as one more coordinate
-    (``dispatch.cp_recurrence``); :meth:`as_cp` is the same map as a plain CP transition of rank ``R + H + 1``."""
-
-    W1: torch.Tensor
-    W2: torch.Tensor
-
-    def __call__(self, h, f_t):
-        return cp_write_transition(h, f_t, self.W1, self.W2)
-
-    def as_cp(self) -> CPTransition:
-        """The same map as ``CPTransition(W1', W2')`` with ``W1', W2': [N, H + 1, R + H + 1]``: with factors
-        ``[u | v | gamma]``, ``W1' diag(.) W2'^T [h; c] = [W1 (u * W2^T h) + v c; gamma c]`` (what the compiled
-        decoding step runs)."""
-        W1, W2 = self.W1, self.W2
-        N, H, R = W1.shape
-        eye, zeros = torch.eye(H, dtype=W1.dtype, device=W1.device).expand(N, H, H), W1.new_zeros(N, H, H + 1)
-        top1 = torch.cat([W1, eye, W1.new_zeros(N, H, 1)], dim=-1)
-        bottom1 = torch.cat([W1.new_zeros(N, 1, R + H), W1.new_ones(N, 1, 1)], dim=-1)
-        top2 = torch.cat([W2, zeros], dim=-1)
-        bottom2 = torch.cat([W2.new_zeros(N, 1, R), W2.new_ones(N, 1, H + 1)], dim=-1)
-        return CPTransition(torch.cat([top1, bottom1], dim=1), torch.cat([top2, bottom2], dim=1))
 
 
 def full_transition(h, u_t, W):
@@ -123,23 +82,10 @@ def diagonal_transition(h, u_t):
     return u_t * h
 
 
-def over_columns(x, columns: int, dim: int, reduce: str):
-    """``x`` reduced (``"sum"`` or ``"max"``) over each group of ``columns`` consecutive rows along ``dim`` (the
-    columns of one head's matrix state) and broadcast back to every row of the group."""
-    if columns == 1:
-        return x
-    dim = dim % x.dim()
-    grouped = x.unflatten(dim, (-1, columns))
-    reduced = grouped.sum(dim + 1, keepdim=True) if reduce == "sum" else grouped.amax(dim + 1, keepdim=True)
-    return reduced.expand_as(grouped).flatten(dim, dim + 1)
-
-
-def scale_at_boundary(h, keep_t, columns: int = 1, rows_dim: int = -3):
-    """The detached per-head factor that normalizes ``h`` (1 at padded rows); with ``columns``, the norm of each
-    head's whole state, its ``columns`` rows along ``rows_dim`` together."""
+def scale_at_boundary(h, keep_t):
+    """The detached per-head factor that normalizes ``h`` (1 at padded rows)."""
     h = h.detach()
-    norm2 = over_columns(h.pow(2).sum(-1, keepdim=True), columns, rows_dim, "sum")
-    scale = norm2.sqrt().clamp_min(torch.finfo(h.dtype).tiny).reciprocal()
+    scale = h.pow(2).sum(-1, keepdim=True).sqrt().clamp_min(torch.finfo(h.dtype).tiny).reciprocal()
     if keep_t is not None:
         scale = torch.where(keep_t, scale, torch.ones_like(scale))
     return scale
@@ -162,16 +108,15 @@ def segments(T: int, chunk: int, offset: int):
 SAFE_MIN, SAFE_MAX = 2.0 ** -40, 2.0 ** 40  # the guard's range; squares of in-range states stay normal fp32 numbers
 
 
-def in_safe_range(x, columns: int = 1, rows_dim: int = -3):
-    """``x [..., state] -> [...]`` mask: the peak ``|x_i|`` lies in ``(SAFE_MIN, SAFE_MAX)`` (NaN fails); with
-    ``columns``, the peak of each head's whole state (its rows along ``rows_dim``)."""
-    peak = over_columns(x.detach().abs().amax(dim=-1, keepdim=True), columns, rows_dim, "max")[..., 0]
+def in_safe_range(x):
+    """``x [..., state] -> [...]`` mask: the peak ``|x_i|`` lies in ``(SAFE_MIN, SAFE_MAX)`` (NaN fails)."""
+    peak = x.detach().abs().amax(dim=-1)
     return (peak < SAFE_MAX) & (peak > SAFE_MIN)  # NaN fails both comparisons
 
 
 def reference_recurrence(
     transition: Callable, factors, h0, mask=None, chunk: int = 64, offset: int = 0, additive=None, reset=None,
-    h_start=None, columns: int = 1,
+    h_start=None,
 ):
     """Reference loop: ``h_t = transition(h_{t-1}, factors[:, t]) (+ additive[:, t])``.
 
@@ -184,7 +129,6 @@ def reference_recurrence(
         additive: optional ``[B, T, N, H]`` additive input (the paper's ablation).
         reset: optional ``[B, T]`` bool; where set (and not padded), the step starts from ``h_start`` (``[N, H]`` or
             ``[B, N, H]``).
-        columns: rows per head state (``B = batch * columns``; see the module docstring).
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
     """
@@ -199,10 +143,10 @@ def reference_recurrence(
             boundary = is_boundary(chunk, offset, t)
             h_t = reference_step(transition, factors[:, t], h_t, keep_t, boundary, guard=False,
                                  additive_t=None if additive is None else additive[:, t],
-                                 reset_t=None if reset is None else reset[:, t], h_start=h_start, columns=columns)
+                                 reset_t=None if reset is None else reset[:, t], h_start=h_start)
             if every_step is not None and not boundary:
                 keep = None if keep_t is None else keep_t[:, None, None]
-                h_t = h_t * torch.where(every_step, scale_at_boundary(h_t, keep, columns), 1.0)
+                h_t = h_t * torch.where(every_step, scale_at_boundary(h_t, keep), 1.0)
             segment.append(h_t)
         return torch.stack(segment)
 
@@ -210,7 +154,7 @@ def reference_recurrence(
     for t0, t1 in segments(T, chunk, offset):
         segment = run(t0, t1)
         if chunk:
-            ok = in_safe_range(segment, columns).all(dim=0)[..., None]
+            ok = in_safe_range(segment).all(dim=0)[..., None]
             if not bool(ok.all()):  # redo rather than select: a discarded inf branch would poison gradients
                 segment = run(t0, t1, every_step=~ok)
         states.append(segment)
@@ -219,13 +163,12 @@ def reference_recurrence(
 
 
 def reference_step(transition: Callable, factors_t, h, keep_t=None, boundary: bool = False, guard: bool = True,
-                   additive_t=None, reset_t=None, h_start=None, columns: int = 1):
+                   additive_t=None, reset_t=None, h_start=None):
     """One step of :func:`reference_recurrence` (decoding): ``(h [B,N,H], factors_t [B,N,F]) -> h_new [B,N,H]``.
 
     ``keep_t``: ``[B]`` bool or None (padded rows keep ``h``); ``boundary``: this position ends a chunk; ``guard``:
     renormalize a (row, head) whose new state left the safe range (the loop's guard on a one-step segment; on
-    whenever ``chunk > 0``); ``reset_t``: ``[B]`` bool or None, rows that start from ``h_start`` (unless padded);
-    ``columns``: rows per head state (see the module docstring).
+    whenever ``chunk > 0``); ``reset_t``: ``[B]`` bool or None, rows that start from ``h_start`` (unless padded).
     """
     keep = None if keep_t is None else keep_t.bool()[:, None, None]
     h_prev = h
@@ -238,8 +181,7 @@ def reference_step(transition: Callable, factors_t, h, keep_t=None, boundary: bo
     if keep is not None:
         h_new = torch.where(keep, h_new, h)
     if boundary:
-        return h_new * scale_at_boundary(h_new, keep, columns)
+        return h_new * scale_at_boundary(h_new, keep)
     if guard:
-        return h_new * torch.where(in_safe_range(h_new, columns)[..., None], 1.0,
-                                   scale_at_boundary(h_new, keep, columns))
+        return h_new * torch.where(in_safe_range(h_new)[..., None], 1.0, scale_at_boundary(h_new, keep))
     return h_new

@@ -1,36 +1,21 @@
 """The CP rank-space scan in PyTorch: any device, one batched matmul over heads per step.
 
-The same two entry points as the C++ kernel (``bilinear_lm/kernels/cpu/scan.cpp``) and the Triton kernel (``scan_triton``), which compute
-exactly this (tested against it and against the reference loop). Layout ``[T, N, B, R]`` (time, heads, batch, rank):
+The same two entry points as the C++ kernel (``bilinear_lm/kernels/cpu/scan.cpp``) and the Triton kernel
+(``scan_triton``), which compute exactly this (tested against it and against the reference loop). Layout
+``[T, N, B, R]`` (time, heads, batch, rank):
 
-* ``scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start, columns, write, v) -> (G, P, S)`` runs
+* ``scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start) -> (G, P, S)`` runs
   ``g_t = s_t u_t p_{t-1}``, ``p_t = g_t Mt`` (``p_t = p_{t-1}`` where padded), with ``Mt = (W2^T W1)^T``,
   ``p_t = W2^T h_t`` and ``h_t = W1 g_t``. ``s_t`` is the detached factor that normalizes ``h_t`` at chunk boundaries
   (1 elsewhere); a segment whose ``g`` leaves the safe range is recomputed for those (head, row) pairs normalizing
   every step. ``keep``: ``[T, B]`` bool, or empty when nothing is padded. ``restart``: ``[T, B]`` bool (or empty):
-  step ``t`` of row ``b`` starts from ``p_start[:, b % columns]`` (``p_start``: ``[N, columns, R]``) instead of
-  ``p_{t-1}`` (document boundaries; only at unpadded steps). ``columns``: rows per head state (a matrix-valued state:
-  ``recurrence``'s module docstring); the normalization and the guard act on each group of ``columns`` rows
-  together. Returns every ``g_t`` ``[T,N,B,R]``, the inputs ``p`` of every step then the last ``p_T``
+  step ``t`` starts from ``p_start`` (``[N, R]``) instead of ``p_{t-1}`` (document boundaries; only at unpadded
+  steps). Returns every ``g_t`` ``[T,N,B,R]``, the inputs ``p`` of every step then the last ``p_T``
   (``[T+1,N,B,R]``) and ``s_t`` ``[T,N,B,1]``.
-* The write channel (``recurrence.CPWriteTransition``; ``write`` and ``v`` empty without it) is one more rank-space
-  coordinate, the last: ``p = [W2^T h; c]``, ``u_t = [u_t; 1]`` (so ``g_t = s_t [u_t * W2^T h_{t-1}; c_{t-1}]``), ``Mt``
-  and ``W1`` zero in that row and column, and each step adds the write, ``p_t = g_t Mt + e_t write_t`` with
-  ``e_t = g_t[-1]`` and ``write_t = [W2^T v_t; gamma_t]`` (``[T,N,B,R]``): ``h_t = W1 g_t + v_t e_t``,
-  ``c_t = gamma_t e_t``. ``v``: ``[T,N,B,H]``, read for the norm of ``[h_t; c_t]`` at normalizations only. The cost
-  per step stays about the pure scan's, instead of the rank ``R + H + 1`` of the write as CP factors
-  (``CPWriteTransition.as_cp``, what the compiled decoding step runs).
-* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP, write, e) -> (dp0, dp_start)``: the reverse loop, given
+* ``scan_backward(dG, su, MtT, keep, restart, DGT, DP) -> (dp0, dp_start)``: the reverse loop, given
   ``dL/dg_t`` and ``su = S * u``; fills ``DGT`` (total gradient of each ``g_t``) and ``DP`` (gradient of ``p_t``
   leaving step ``t``, zero where padded) and returns ``dL/dp_0`` and the gradient reaching ``p_start`` per row
-  (``[N, B, R]``). The gradients of ``u``, ``Mt`` and ``write`` follow from them in bulk (``dispatch``).
-  The write coordinate's gradients are carried in **log form**: ``c`` can fall 40 orders of magnitude below ``h``
-  within one normalized state (a small ``gamma`` for a while), and then ``dL/dc`` rises as far (``c dL/dc`` is
-  what the loss sees), beyond fp32's range where ``c`` is still a denormal. So in that coordinate ``DP`` holds
-  ``c_t dL/dc_t``, ``DGT`` ``e_t dL/de_t``, and ``dp0`` / ``dp_start`` ``c dL/dc`` of their starts: with ``e``
-  (``g_t[-1]``, ``[T, N, B, 1]``) the recursion is ``DGT_t = e_t (dG_t + beta_t . DP_t[:-1]) + DP_t``, a sum of
-  terms in range, and ``su`` is 1 there (the normalization scales ``c`` and ``dL/dc`` inversely). ``e`` is empty
-  without the write.
+  (``[N, B, R]``). The gradients of ``u`` and ``Mt`` follow from them in bulk (``dispatch``).
 """
 
 import torch
@@ -38,17 +23,16 @@ import torch
 from .recurrence import in_safe_range, is_boundary, scale_at_boundary, segments
 
 
-def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start, columns: int, write, v):
+def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start):
     """The scan's forward loop (see the module docstring)."""
-    T, B = u.shape[0], u.shape[2]
+    T = u.shape[0]
     G = torch.empty_like(u)
     P = torch.empty((T + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)
     S = torch.ones((T, *u.shape[1:-1], 1), dtype=u.dtype, device=u.device)
     P[0] = p0
     keep4 = keep[:, None, :, None] if keep.numel() else None
     restart4 = restart[:, None, :, None] if restart.numel() else None
-    p_start = p_start.repeat(1, B // columns, 1) if restart.numel() else p_start  # [N, B, R]: each row's column
-    has_write = write.numel() > 0
+    p_start = p_start[:, None] if restart.numel() else p_start  # [N, 1, R]: every row's start
 
     def run(t0, t1, every_step, G, P, S):
         for t in range(t0, t1):
@@ -57,22 +41,16 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
             g = torch.mul(u[t], P[t], out=G[t])
             keep_t = None if keep4 is None else keep4[t]
             if every_step or is_boundary(chunk, offset, t):
-                h = torch.einsum("nhr,nbr->nbh", W1, g)
-                if has_write:  # [h; c] = [W1 g + v e; gamma e]
-                    e = g[..., -1:]
-                    h = torch.cat([h + v[t] * e, write[t][..., -1:] * e], dim=-1)
-                S[t] = scale_at_boundary(h, keep_t, columns, rows_dim=-2)
+                S[t] = scale_at_boundary(torch.einsum("nhr,nbr->nbh", W1, g), keep_t)
                 g.mul_(S[t])
             torch.bmm(g, Mt, out=P[t + 1])
-            if has_write:
-                P[t + 1].addcmul_(g[..., -1:], write[t])
             if keep_t is not None:
                 torch.where(keep_t, P[t + 1], P[t], out=P[t + 1])
 
     for t0, t1 in segments(T, chunk, offset):
         run(t0, t1, False, G, P, S)
         if chunk:
-            ok = in_safe_range(G[t0:t1], columns, rows_dim=-2).all(dim=0)[..., None]
+            ok = in_safe_range(G[t0:t1]).all(dim=0)[..., None]
             if not bool(ok.all()):  # recompute out-of-range (head, row) pairs normalizing every step
                 G2, P2, S2 = G.clone(), P.clone(), torch.ones_like(S)
                 run(t0, t1, True, G2, P2, S2)
@@ -82,19 +60,15 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start,
     return G, P, S
 
 
-def scan_backward(dG, su, MtT, keep, restart, DGT, DP, write, e):
+def scan_backward(dG, su, MtT, keep, restart, DGT, DP):
     """The scan's backward loop (see the module docstring): fills ``DGT`` and ``DP``, returns ``(dp0, dp_start)``."""
     keep4 = keep[:, None, :, None] if keep.numel() else None
     restart4 = restart[:, None, :, None] if restart.numel() else None
     dp = torch.zeros_like(su[0])
     dp_start = torch.zeros_like(su[0])
-    has_write = write.numel() > 0
     for t in range(su.shape[0] - 1, -1, -1):
         DP[t] = dp if keep4 is None else torch.where(keep4[t], dp, 0.0)
         torch.baddbmm(dG[t], DP[t], MtT, out=DGT[t])
-        if has_write:  # in log form: e_t dL/de_t = e_t (dL/de_t directly + beta_t . dL/dp_t[:-1]) + c_t dL/dc_t
-            de = DGT[t][..., -1:] + (write[t][..., :-1] * DP[t][..., :-1]).sum(-1, keepdim=True)
-            DGT[t][..., -1:] = e[t] * de + DP[t][..., -1:]
         dp = su[t] * DGT[t] if keep4 is None else su[t] * DGT[t] + torch.where(keep4[t], 0.0, dp)
         if restart4 is not None:  # this step's input was p_start, not the previous step's output
             dp_start += torch.where(restart4[t], dp, 0.0)

@@ -24,11 +24,11 @@ from .tasks import (
     permutation,
     random_fsm,
 )
-from .training import check_state_consistency, evaluate, read_states, run_probe, state_consistency_loss
+from .training import check_state_consistency, evaluate, run_probe, state_consistency_loss
 
 __all__ = [
     "Automaton", "load_automaton", "Task", "TASK_NAMES", "make_task", "parity", "modular_addition",
     "modular_arithmetic", "random_fsm", "cycle_navigation", "permutation", "automaton_task",
     "ProbeConfig", "MODEL_NAMES", "model_spec", "build_probe_model", "class_logits",
-    "run_probe", "evaluate", "state_consistency_loss", "read_states", "check_state_consistency",
+    "run_probe", "evaluate", "state_consistency_loss", "check_state_consistency",
 ]

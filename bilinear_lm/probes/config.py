@@ -52,9 +52,6 @@ class ProbeConfig:
     block_size: int = option(2, "bilinear block_diagonal block size")
     gate: bool = option(False, "bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the "
                                "paper's linear readout of the normalized state)")
-    write_channel: bool = option(False, "bilinear-cp: add the homogeneous write channel "
-                                        "(BilinearConfig.write_channel)")
-    state_columns: int = option(1, "bilinear: columns of each head's matrix state (BilinearConfig.state_columns)")
     num_heads: int = option(4, "attention heads (transformer-N, and the attention layers of hybrid-N)")
     attention_window: int | None = option(None, "hybrid-N: its attention layers see only this many positions "
                                                 "(sliding-window attention; default: full attention)")
@@ -78,7 +75,7 @@ class ProbeConfig:
             raise bad("test_lengths", "a non-empty sequence of integers >= 1, e.g. (500,)")
         object.__setattr__(self, "test_lengths", tests)
         for name in ("val_length", "val_size", "test_size", "steps", "patience", "eval_every", "batch_size",
-                      "eval_tokens", "hidden_size", "state_size", "block_size", "num_heads", "state_columns"):
+                      "eval_tokens", "hidden_size", "state_size", "block_size", "num_heads"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "an integer >= 1")
         if self.rank is not None and (not is_int(self.rank) or self.rank < 1):

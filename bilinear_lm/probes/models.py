@@ -22,20 +22,13 @@ from torch import nn
 
 from ..baselines import build_model
 from ..modeling.configuration_bilinear import MIXER_TYPES, interleaved_layer_types
+from ..modeling.transitions import TRANSITIONS
 from .config import ProbeConfig
 from .tasks import Task
 
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in MIXER_TYPES) + (
     "hybrid-4", "stack-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2",
     "mamba-4")
-
-
-def default_rank(mixer: str, config: ProbeConfig, num_symbols: int) -> int:
-    """``config.rank``, else: ``full`` gets one state matrix per task symbol (rank = num_symbols, the paper's
-    A(x) = sum_s x_s W_s for one-hot x), every other mixer rank = state size."""
-    if config.rank:
-        return config.rank
-    return num_symbols if mixer == "full" else config.state_size
 
 
 def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[str, dict]:
@@ -48,16 +41,9 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
         mixer = name.split("-", 1)[1]
         if mixer not in MIXER_TYPES:
             raise ValueError(f"unknown bilinear mixer {mixer!r}; choose one of {list(MIXER_TYPES)}")
-        cfg = dict(hidden_size=H, num_hidden_layers=1, num_heads=1, state_size=config.state_size,
-                   rank=default_rank(mixer, config, num_symbols), mixer_type=mixer, use_mlp=False,
-                   use_gate=config.gate, tie_word_embeddings=False)
-        if mixer == "block_diagonal":
-            cfg["block_size"] = config.block_size
-        if config.write_channel or mixer == "identity":  # identity (A = I) is only itself with writes
-            if mixer not in ("cp", "identity"):
-                raise ValueError(f"write_channel is a CP option; {name} has none (drop --write-channel)")
-            cfg["write_channel"] = True
-        cfg["state_columns"] = config.state_columns
+        cfg = dict(hidden_size=H, num_hidden_layers=1, num_heads=1, state_size=config.state_size, mixer_type=mixer,
+                   use_mlp=False, use_gate=config.gate, tie_word_embeddings=False,
+                   **TRANSITIONS[mixer].probe_overrides(config, num_symbols))  # each type's defaults (rank, ...)
         return "bilinear", cfg
     if name in ("lstm", "lstm-2"):
         return "lstm", dict(hidden_size=H, num_layers=2 if name == "lstm-2" else 1)

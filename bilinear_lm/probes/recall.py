@@ -10,7 +10,7 @@ A(x_t) h_{t-1}``, no write term) is expected to do poorly here.
 
 For training, ``RecallConfig.dense_fraction`` makes a fraction of the sequences *dense* (a query at every position
 after the pairs): with half of them dense, Llama learns the task at length 64 with 4 pairs within 1,500 steps, where
-plain sequences left it at ``1 / num_pairs`` after 8,000 (docs/recall-calibration.md). The test sequences are
+plain sequences left it at ``1 / num_pairs`` after 8,000 (docs/probes.md). The test sequences are
 always plain.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .config import option
 from .training import default_lr
 
 IGNORE = -100
-RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-write", "bilinear-conv-write", "llama", "lstm")
+RECALL_MODELS = ("bilinear", "bilinear-conv", "llama", "lstm")
 
 
 def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, generator=None, dense: float = 0.0):
@@ -106,18 +106,15 @@ class RecallConfig:
 
 
 def recall_model(name: str, config: RecallConfig):
-    """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``), ``bilinear-write``
-    (``write_channel``), ``bilinear-conv-write``, ``llama`` or ``lstm``, all ``num_layers`` deep and
+    """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``), ``llama`` or ``lstm``, all
+    ``num_layers`` deep and
     ``hidden_size`` wide, with untied input and output embeddings (as Llama and the LSTM here: tied, a 2-layer
     attention model of the bilinear stack stayed at ``1 / pairs``, 0.260, where untied it reached 0.981)."""
     c = config
-    if name.startswith("bilinear"):
-        variants = set(name.split("-")[1:])
-        if not variants <= {"conv", "write"}:
-            raise ValueError(f"unknown recall model {name!r}; choose one of {RECALL_MODELS}")
+    if name in ("bilinear", "bilinear-conv"):
         cfg = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_heads=c.num_heads,
-                   state_size=c.state_size, rank=c.state_size, conv_width=4 if "conv" in variants else 0,
-                   write_channel="write" in variants, tie_word_embeddings=False, **c.extra)
+                   state_size=c.state_size, rank=c.state_size, conv_width=4 if name == "bilinear-conv" else 0,
+                   tie_word_embeddings=False, **c.extra)
         return build_model("bilinear", cfg, c.vocab_size, match_bilinear=False)
     if name == "llama":
         cfg = dict(hidden_size=c.hidden_size, intermediate_size=4 * c.hidden_size, num_hidden_layers=c.num_layers,

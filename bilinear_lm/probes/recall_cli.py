@@ -4,11 +4,11 @@
 training are ``bilinear_lm.probes.recall`` (``mqar``, ``run_recall``, ``RecallConfig``); this CLI runs the grid,
 resumes from its results file, and writes a markdown table.
 
-    bilinear-recall --models bilinear,bilinear-conv,bilinear-write,llama,lstm --pairs 4,8,16 \
+    bilinear-recall --models bilinear,bilinear-conv,llama,lstm --pairs 4,8,16 \
         --seq-len 64 --steps 600 --output-dir runs/recall
     bilinear-recall --models llama,bilinear --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 \
         --lr 1e-3,3e-3,1e-2 --warmup-steps 100 --extra '{"conv_width": 2}' --output-dir runs/recall_sweep
-    # the calibrated protocol (docs/recall-calibration.md): half the training sequences dense, Llama 1.000 at 4 pairs
+    # the calibrated protocol (docs/probes.md): half the training sequences dense, Llama 1.000 at 4 pairs
     bilinear-recall --models llama --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 --state-size 16 \
         --steps 1500 --warmup-steps 200 --lr 1e-3 --dense-fraction 0.5 --output-dir runs/recall_dense
 """
@@ -35,7 +35,7 @@ def run_key(model: str, seed: int, config: dict | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="bilinear,bilinear-conv,bilinear-write,llama,lstm",
+    p.add_argument("--models", default="bilinear,bilinear-conv,llama,lstm",
                    help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
     p.add_argument("--pairs", default="4,8,16", help="numbers of key-value pairs (the grid's num_pairs)")
     p.add_argument("--seeds", default="0")

@@ -19,12 +19,8 @@ def run_key(r: dict) -> tuple:
 
 
 def model_label(r: dict) -> str:
-    """Model name as tables and plots show it (runs with state consistency, a write channel or a matrix state are
-    separate rows)."""
-    w, model_config = r.get("state_consistency", 0.0), r.get("model_config", {})
-    name = r["model"] + (" +write" if model_config.get("write_channel") else "")
-    columns = model_config.get("state_columns", 1)
-    name += f" P={columns}" if columns > 1 else ""
+    """Model name as tables and plots show it (runs with state consistency are separate rows)."""
+    w, name = r.get("state_consistency", 0.0), r["model"]
     return f"{name} +consistency {w:g}" if w else name
 
 

@@ -6,7 +6,7 @@ accuracy. Model selection and stopping use a held-out validation set at a length
 250), never training accuracy: the weights with the best validation (accuracy, -loss) are kept, and training
 stops once validation accuracy has been perfect for ``patience`` steps (or when ``steps`` / ``max_seconds`` run
 out). Optionally (``state_consistency`` > 0, bilinear models) a center loss on the recurrent state, read with
-``output_mixer_states=True`` (the part the readout reads, :func:`read_states`), see :func:`state_consistency_loss`.
+``output_mixer_states=True``, see :func:`state_consistency_loss`.
 
 Metrics per test length L: ``final_acc`` (position L), ``beyond_train_acc`` (mean accuracy over positions >
 max training length), their chance-normalized versions ``(acc - chance) / (1 - chance)``, and
@@ -42,18 +42,6 @@ def check_state_consistency(task: Task, model_name: str, config: ProbeConfig) ->
     if task.automaton.outputs.unique().numel() != task.automaton.num_states:
         raise ValueError(f"state consistency needs a task whose label is the automaton state, but {task.name}'s "
                          f"labels merge states ({task.automaton.num_states} states, {task.num_classes} classes)")
-
-
-def read_states(states, config) -> tuple[torch.Tensor, ...]:
-    """The part of each layer's ``outputs.mixer_states`` the readout reads: every column's ``h`` without the write
-    channel's coordinate ``c`` (``[B, T, heads, P * state_size]``; the states as they are without a write channel).
-
-    ``c`` does not depend on the history's label, so a center loss that included it could be met by letting ``c``
-    outgrow ``h`` (measured: ``|c| / |h|`` about 70 with the matrix state, and no tracking) instead of by tracking."""
-    if not getattr(config, "write_channel", False):
-        return tuple(states)
-    P, H = config.state_columns, config.state_size
-    return tuple(h.unflatten(-1, (P, H + 1))[..., :H].flatten(-2) for h in states)
 
 
 def state_consistency_loss(states, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -155,7 +143,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         if with_consistency:
             out = model(input_ids=x, use_cache=False, output_mixer_states=True)
             logits = out.logits[..., :C].float()
-            consistency = state_consistency_loss(read_states(out.mixer_states, model.config), y, C)
+            consistency = state_consistency_loss(out.mixer_states, y, C)
         else:
             logits = class_logits(model, x, C)
         ce = F.cross_entropy(logits.reshape(-1, C), y.reshape(-1))

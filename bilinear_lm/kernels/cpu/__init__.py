@@ -1,7 +1,8 @@
 """The C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` into one module:
 
 * ``scan_forward`` / ``scan_backward`` (``scan.cpp``): the CP rank-space scan, the signatures of
-  ``bilinear_lm.modeling.scan``; ``cp_step``: one decoding step of the CP state (``recurrence.reference_step``);
+  ``bilinear_lm.modeling.scan`` plus the overflow guard's range; ``cp_step``: one decoding step of the CP state
+  (``bilinear_lm.modeling.recurrence.reference_step``);
 * ``small_batch_linear`` (``linear.cpp``): a GEMV for the few rows of a decoding step.
 
 :func:`load` builds them once per machine (a one-line message on stderr while it compiles, under a minute)
@@ -20,8 +21,6 @@ import threading
 from pathlib import Path
 
 import torch
-
-from ...modeling.recurrence import SAFE_MAX, SAFE_MIN
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +76,7 @@ def load():
                           f"{DISABLE_ENV}=1 skips it)", file=sys.stderr, flush=True)
                 _module = load_extension(
                     name=name, sources=[str(source) for source in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DBILINEAR_SAFE_MIN={SAFE_MIN.hex()}",
-                                  f"-DBILINEAR_SAFE_MAX={SAFE_MAX.hex()}"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=os.environ.get("BILINEAR_LM_VERBOSE_BUILD") == "1")
             except Exception as error:  # no compiler or headers: fall back, say so once
                 _failed = True
