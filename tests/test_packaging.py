@@ -118,3 +118,38 @@ def test_eval_scripts_run_the_library_command_lines(monkeypatch):
         parser = importlib.import_module(module).build_parser()
         parser.prog = f"{name}.py"
         assert out == parser.format_help()
+
+
+def _package_imports(path: Path) -> set[str]:
+    """Modules of ``bilinear_lm`` that the file at ``path`` imports anywhere in it (lazy imports too), as dotted
+    names (a relative import resolved against the file's package)."""
+    import ast
+
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            name = ".".join(filter(None, [base, node.module or ""])) if node.level else node.module or ""
+            found |= {name} | ({f"{name}.{alias.name}" for alias in node.names} if node.level else set())
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.startswith("bilinear_lm")}
+
+
+def test_imports_flow_one_way():
+    """The kernels import nothing from the modeling code, the config nothing of the machinery it configures, and the
+    modeling modules import each other without a circle (lazy imports included)."""
+    modeling = {p.stem: p for p in (REPO / "bilinear_lm" / "modeling").glob("*.py") if p.stem != "__init__"}
+    for path in (REPO / "bilinear_lm" / "kernels").rglob("*.py"):
+        assert not {m for m in _package_imports(path) if m.startswith("bilinear_lm.modeling")}, path
+    assert _package_imports(modeling["configuration_bilinear"]) == set()
+    edges = {name: {m.split(".")[2] for m in _package_imports(path) if m.startswith("bilinear_lm.modeling.")}
+             & set(modeling) for name, path in modeling.items()}
+    assert edges["dispatch"] and edges["modeling_bilinear"]  # the parse sees relative imports
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges[start])
+
+    circles = [name for name in modeling if reaches(name, name)]
+    assert not circles, edges
