@@ -7,123 +7,31 @@ Single process, N GPUs (`accelerate launch --multi_gpu --num_processes N`), CPU 
 (`accelerate launch --config_file bilinear_lm/configs/accelerate/fsdp.yaml`) all run this same file.
 `python train.py --help` lists every key; the parts live in `bilinear_lm.training`.
 
-Reads top to bottom: data -> model and optimizer -> the training loop (log, evaluate, checkpoint) -> finish (save,
-plot, sample, lm-eval) -> main, which calls them in that order -> the command line.
+Reads top to bottom: model and optimizer -> the training loop (log, evaluate, checkpoint) -> finish (save, plot,
+sample, lm-eval) -> main: the config, the data (`bilinear_lm.training.loader`), then the parts above in that order ->
+the command line.
 """
-import gc
-import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, send_to_device, set_seed
-from datasets import DatasetDict, IterableDataset
-from datasets.distributed import split_dataset_by_node
-from torch.utils.data import DataLoader
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from datasets import DatasetDict
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from bilinear_lm.baselines import bilinear_config, build_model, count_parameters, optimizer_groups
+from bilinear_lm.evaluation.harness import run_harness
 from bilinear_lm.modeling.transitions import build_kernels
-from bilinear_lm.modeling.modeling_bilinear import check_token_ids as check_vocabulary
-from bilinear_lm.training import (DEFAULT_TRAIN_FILE, Config, DataError, MetricsLog, TrainingInputError, TrainState,
-                                  append_metrics, bf16_cpu_warning, build_tokenizer, check_config_change, check_launch,
-                                  find_checkpoint, load_data_state, load_raw_text, params_identical_across_ranks,
-                                  parse_config, plot_losses, save_checkpoint, together, tokenize_and_pack,
-                                  unsharded_copy)
-from bilinear_lm.training.data import builder_for
+from bilinear_lm.training import (Config, Data, DataError, MetricsLog, TrainingInputError, TrainState, append_metrics,
+                                  bf16_cpu_warning, check_config_change, check_launch, check_token_ids,
+                                  diverged_message, end_training, find_checkpoint, flat_config, load_data,
+                                  load_data_state, micro_batches, params_identical_across_ranks, parse_config,
+                                  plot_losses, save_checkpoint, unsharded_copy)
 from bilinear_lm.utils import eval_mode, keep_freed_memory
-
-
-# -------------------------------------------------------------------------------------------------- data
-@dataclass
-class Data:
-    """The text, its tokenizer, the packed blocks and their loaders (not yet `accelerator.prepare`d)."""
-
-    raw: DatasetDict     # text: train, validation
-    tokenizer: object    # PreTrainedTokenizerFast, saved next to every checkpoint and the final model
-    blocks: DatasetDict  # packed blocks (input_ids): cached on disk; the train split an IterableDataset with --streaming
-    train_dl: DataLoader
-    val_dl: DataLoader
-    stream: IterableDataset | None = None  # --streaming: this rank's training blocks; checkpoints save its position
-
-
-def collate(rows: list[dict]) -> dict:
-    """A batch of packed blocks; the labels are the input ids (the model shifts them)."""
-    ids = torch.stack([row["input_ids"] for row in rows]).long()
-    return {"input_ids": ids, "labels": ids}
-
-
-def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
-    """Text (`--train_file`, else `--dataset`, else the Tiny Shakespeare text shipped with the package) -> tokenizer
-    (built once by the main process; every rank loads the same files) -> packed blocks (tokenized by the main process
-    into the `datasets` cache, which the other ranks then load; with --streaming, as training reads them, each rank
-    its share) and their loaders."""
-    train_file = cfg.data.train_file or (None if cfg.data.dataset else DEFAULT_TRAIN_FILE)
-    raw = load_raw_text(dataset=None if train_file else cfg.data.dataset, dataset_config=cfg.data.dataset_config,
-                        train_file=train_file, validation_file=cfg.data.validation_file,
-                        text_column=cfg.data.text_column, val_fraction=cfg.data.val_fraction,
-                        streaming=cfg.data.streaming)
-    tok_dir = (resume / "tokenizer") if resume else (Path(cfg.train.output_dir) / "tokenizer")
-
-    def tokenizer_files():
-        if resume is None and accelerator.is_main_process:
-            # a char vocabulary covers every split (like nanoGPT); a BPE is trained on the training text only
-            tok_text = list(raw.values()) if cfg.data.tokenizer == "char" else raw["train"]
-            build_tokenizer(cfg.data.tokenizer, tok_text, cfg.data.bpe_vocab_size).save_pretrained(tok_dir)
-        return AutoTokenizer.from_pretrained(tok_dir)
-
-    tokenizer = together(accelerator, tokenizer_files, "building the tokenizer", main_first=True)
-    add_eos = cfg.data.add_eos
-    if add_eos is None:  # rows are documents in JSON / Parquet files and Hub datasets, lines (with their "\n") in .txt
-        add_eos = train_file is None or builder_for(train_file) != "text"
-    if add_eos and tokenizer.eos_token_id is None:
-        raise TrainingInputError("EOS after every row (--add_eos true, the default for .jsonl files and Hub datasets) "
-                                 "needs a tokenizer with an EOS token (the char tokenizer has none): pass --add_eos "
-                                 "false or another --tokenizer")
-    if cfg.train.eval_lm_harness and tokenizer.eos_token_id is None:
-        raise TrainingInputError("--eval_lm_harness needs a tokenizer with an EOS token (lm-eval uses it as the "
-                                 "end-of-text token; the char tokenizer has none): omit --tokenizer char")
-    blocks = together(accelerator, lambda: tokenize_and_pack(raw, tokenizer, cfg.data.block_size, add_eos=add_eos,
-                                                             num_proc=cfg.data.num_proc),
-                      "tokenizing the data", main_first=True)
-    blocks = DatasetDict({split: ds.with_format("torch") for split, ds in blocks.items()})
-    batch_size, workers = cfg.train.batch_size, cfg.data.num_workers
-    val_dl = DataLoader(blocks["validation"], batch_size=batch_size, shuffle=False, num_workers=workers,
-                        collate_fn=collate)
-    if cfg.data.streaming:  # in order; every rank reads its share of the blocks
-        stream = split_dataset_by_node(blocks["train"], rank=accelerator.process_index,
-                                       world_size=accelerator.num_processes)
-        return Data(raw, tokenizer, blocks, DataLoader(stream, batch_size=batch_size, drop_last=True,
-                                                       collate_fn=collate), val_dl, stream)
-    train_dl = DataLoader(blocks["train"], batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                          collate_fn=collate)
-    if len(train_dl) == 0:
-        raise TrainingInputError(
-            f"only {len(blocks['train'])} training blocks of {cfg.data.block_size} tokens: fewer than --batch_size "
-            f"{batch_size}; lower batch_size/block_size or add data")
-    return Data(raw, tokenizer, blocks, train_dl, val_dl)
-
-
-def check_token_ids(blocks: DatasetDict, vocab_size: int) -> None:
-    """Every token id of the packed data must have an embedding: a clear error before training instead of
-    torch's `IndexError: index out of range in self` (or a silent wrong lookup on a GPU)."""
-    for split, ds in blocks.items():
-        if isinstance(ds, IterableDataset):  # streamed: not known before training reads it
-            continue
-        high = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py()  # without materializing the ids
-        try:
-            check_vocabulary(torch.tensor([0 if high is None else high]), vocab_size, where=f"in the {split} data",
-                            fix=f"the tokenizer produces ids its length does not count, or --model.vocab_size is too "
-                                f"small: pass --model.vocab_size {high + 1} (or more), or a tokenizer whose ids are "
-                                f"below len(tokenizer)")
-        except ValueError as error:
-            raise TrainingInputError(str(error)) from None
 
 
 # ------------------------------------------------------------------------------------ model + optimizer
@@ -168,36 +76,6 @@ def evaluate(model, val_dl, accelerator, eval_iters: int) -> dict:
             losses.append(accelerator.gather(loss.detach().float().reshape(1)))  # one batch mean per rank
     val_loss = torch.cat(losses).mean().item()
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-
-
-def micro_batches(accelerator, train_dl, state: TrainState):
-    """Training micro-batches, epoch after epoch, from where `state` stands (the seedable sampler's order for the
-    epoch, minus what the epoch already consumed: a resumed run sees the batches an uninterrupted one would). A
-    stream (--streaming) continues from its own restored position; its loader is not `prepare`d (Accelerate's reads
-    a batch ahead, which the saved position would count), so its batches are moved to the device here. A pass that
-    gives this process no batch is an error: the loop would spin here forever (and the other ranks wait for it in
-    their first collective)."""
-    empty_passes = 0  # in a row; a resumed stream may start at its end, so a pass from its start must be empty too
-    while True:
-        if isinstance(train_dl.dataset, IterableDataset):
-            train_dl.dataset.set_epoch(state.epoch)
-            loader = (send_to_device(batch, accelerator.device) for batch in train_dl)
-        else:
-            train_dl.set_epoch(state.epoch)
-            loader = accelerator.skip_first_batches(train_dl, state.batches_done) if state.batches_done else train_dl
-        batches = 0
-        for batch in loader:
-            state.batches_done, batches = state.batches_done + 1, batches + 1
-            yield batch
-        empty_passes = 0 if batches else empty_passes + 1
-        if empty_passes == 2:
-            n, rows = accelerator.num_processes, train_dl.batch_size
-            share = f"{n} processes share" if n > 1 else "1 process reads"
-            raise TrainingInputError(
-                f"the training data gives process {accelerator.process_index} no batch of --batch_size {rows} blocks "
-                f"in a whole pass over the data ({share} its blocks, so it needs at least {n * rows} blocks of "
-                f"--block_size tokens); add data or lower --batch_size or --block_size")
-        state.epoch, state.batches_done = state.epoch + 1, 0
 
 
 def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, state: TrainState,
@@ -267,23 +145,6 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
     pbar.close()
 
 
-def diverged_message(cfg: Config, step: int, what: str) -> str:
-    """The error of a run whose gradient or training loss (``what``) stopped being finite, before the weights take
-    it: where, what is kept, and what to do."""
-    kept = find_checkpoint(cfg.train.output_dir, "latest", warn=lambda _: None)
-    resumed = cfg.train.resume_from_checkpoint
-    if kept is not None:
-        resume = (f"the last checkpoint, {kept}, is from before it: resume from it with --resume_from_checkpoint "
-                  "latest --allow_config_change and a lower --learning_rate")
-    elif resumed not in (None, "latest"):  # resumed from a checkpoint of another run's folder
-        resume = (f"no checkpoint was saved since this run resumed from {resumed}: resume from it again with "
-                  "--allow_config_change and a lower --learning_rate")
-    else:
-        resume = "no checkpoint was saved: start again with a lower --learning_rate"
-    return (f"{what} at step {step} (learning rate {cfg.train.learning_rate:g}): the run diverged and stops here; "
-            f"{resume} (or a smaller --grad_clip)")
-
-
 # ----------------------------------------------------------------------------------------------- finish
 def print_sample(cfg: Config, model, tokenizer, raw: DatasetDict, device) -> None:
     """`sample_tokens` sampled tokens (top-k 50) after `sample_prompt`, else the start of the validation text."""
@@ -296,16 +157,6 @@ def print_sample(cfg: Config, model, tokenizer, raw: DatasetDict, device) -> Non
     print(f"--- sample ({cfg.train.sample_tokens} tokens after the prompt {prompt!r}) ---")
     print(tokenizer.decode(gen[0], skip_special_tokens=True))
     print("---")
-
-
-def run_harness(cfg: Config, model, tokenizer, out_dir: Path) -> None:
-    """lm-eval-harness on the final model (`--eval_lm_harness` tasks), written to OUTPUT_DIR/lm_harness.json."""
-    from bilinear_lm.evaluation.harness import run_lm_eval  # imported here: lm-eval is needed only with --eval_lm_harness
-
-    tasks = [t.strip() for t in cfg.train.eval_lm_harness.split(",") if t.strip()]
-    results = run_lm_eval(model, tokenizer, tasks, limit=cfg.train.lm_harness_limit)  # {task: {metric: value}}
-    (out_dir / "lm_harness.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"lm-eval-harness results written to {out_dir / 'lm_harness.json'}")
 
 
 def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metrics: MetricsLog, n_params: int) -> dict:
@@ -332,29 +183,12 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
         if cfg.train.sample_tokens:
             print_sample(cfg, unwrapped, data.tokenizer, data.raw, accelerator.device)
         if cfg.train.eval_lm_harness:
-            run_harness(cfg, unwrapped, data.tokenizer, out_dir)
+            run_harness(unwrapped, data.tokenizer, cfg.train.eval_lm_harness, cfg.train.lm_harness_limit, out_dir)
         print(f"saved model, tokenizer and generation config to {out_dir}")
     return final
 
 
-def end_training(accelerator) -> None:
-    """Free the prepared model, then destroy the process group. Order matters under DDP over gloo: the model's
-    Reducer holds the group, and if it is freed last the group's destructor joins gloo's worker thread while holding
-    the GIL, which that thread may need to drop a finished collective's tensors: a deadlock at exit, 1 launch in 5
-    (pytorch/pytorch#56297; docs/results-history.md). Freed first, the group's last reference is the Python one,
-    whose destructor releases the GIL."""
-    accelerator.free_memory()  # drops the accelerator's references to the model, optimizer, scheduler, loaders
-    gc.collect()  # free_memory collects before it drops them; a DDP model is in reference cycles
-    accelerator.end_training()
-
-
 # ------------------------------------------------------------------------------------------------- main
-def flat_config(cfg: Config) -> dict:
-    """The config as tracker hyperparameters: scalars as they are, `model.KEY` for the model keys."""
-    flat = {**asdict(cfg.data), **asdict(cfg.train), **{f"model.{k}": v for k, v in cfg.model.items()}}
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured by ``argv`` (the command line's arguments); returns the final metrics record.
     Bad input raises TrainingInputError or DataError."""
@@ -400,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     if data.stream is None:
         model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
             model, optimizer, data.train_dl, data.val_dl, scheduler)
-    else:  # see micro_batches
+    else:  # see micro_batches (bilinear_lm.training.loader)
         model, optimizer, data.val_dl, scheduler = accelerator.prepare(model, optimizer, data.val_dl, scheduler)
 
     state = TrainState()

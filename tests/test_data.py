@@ -55,7 +55,7 @@ def test_char_tokenizer_and_packing_match_reference(shakespeare_raw, tmp_path):
     ref = [stoi[c] for c in text[:18000]]
     n_blocks = len(ref) // 64
     assert list(blocks["train"]["input_ids"]) == [ref[i * 64 : (i + 1) * 64] for i in range(n_blocks)]
-    assert blocks["train"].column_names == ["input_ids"]  # the loader adds labels (train.collate)
+    assert blocks["train"].column_names == ["input_ids"]  # the loader adds labels (bilinear_lm.training.collate)
     val_ref = [stoi[c] for c in text[18000:20000]]
     assert list(blocks["validation"]["input_ids"]) == [val_ref[i * 64 : (i + 1) * 64] for i in range(len(val_ref) // 64)]
 

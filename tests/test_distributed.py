@@ -106,7 +106,7 @@ def test_finish_samples_and_evaluates_an_unsharded_copy_only_under_fsdp(tiny_bil
     cfg = parse_config(["--output_dir", str(tmp_path), "--sample_tokens", "3", "--eval_lm_harness", "lambada"])
     used = {}
     monkeypatch.setattr(train, "print_sample", lambda cfg, m, *a: used.setdefault("sample", m))
-    monkeypatch.setattr(train, "run_harness", lambda cfg, m, *a: used.setdefault("harness", m))
+    monkeypatch.setattr(train, "run_harness", lambda m, *a: used.setdefault("harness", m))
     monkeypatch.setattr(train, "plot_losses", lambda *a: None)
     data = SimpleNamespace(tokenizer=SimpleNamespace(save_pretrained=lambda d: None), raw=None)
     train.finish(cfg, accelerator, model, data, TrainState(), MetricsLog(accelerator, tmp_path / "metrics.jsonl"), 1)

@@ -54,12 +54,13 @@ def _free_port():
 
 # train.py with hooks (run from the repo) that write every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl, and
 # the number of DDP models alive when the process group is destroyed to $BATCH_LOG/teardown{i}.json (see
-# train.end_training: a DDP model freed after that can deadlock the exit).
+# bilinear_lm.training.end_training: a DDP model freed after that can deadlock the exit).
 RECORD_BATCHES = """
 import gc, json, os, sys
 import torch
 sys.path.insert(0, os.getcwd())
 import train
+from bilinear_lm.training import micro_batches
 
 def destroy_process_group(group=None, destroy=torch.distributed.destroy_process_group):
     gc.collect()
@@ -70,7 +71,7 @@ def destroy_process_group(group=None, destroy=torch.distributed.destroy_process_
 
 torch.distributed.destroy_process_group = destroy_process_group
 
-def recorded(accelerator, train_dl, state, micro_batches=train.micro_batches):
+def recorded(accelerator, train_dl, state):
     with open(os.path.join(os.environ["BATCH_LOG"], f"rank{accelerator.process_index}.jsonl"), "a") as f:
         for batch in micro_batches(accelerator, train_dl, state):
             f.write(json.dumps({"step": state.step + 1, "input_ids": batch["input_ids"].tolist()}) + "\\n")
@@ -612,7 +613,7 @@ def test_two_rank_cpu_ddp(runs):
     assert "2 processes (MULTI_CPU), global batch 8 sequences = batch_size 4 x 2 processes" in stdout
     final = records[-1]
     assert final["num_processes"] == 2 and final["params_identical_across_ranks"] is True
-    # the DDP model is freed before the process group is destroyed, on every rank (train.end_training)
+    # the DDP model is freed before the process group is destroyed, on every rank (bilinear_lm.training.end_training)
     assert [json.loads((runs.batch_log / f"teardown{i}.json").read_text()) for i in (0, 1)] == \
         [{"ddp_models_alive": 0}] * 2
     assert {p.name for p in (runs.ddp_dir / "checkpoints" / "step_4").iterdir()} >= {
@@ -658,12 +659,12 @@ def test_a_diverged_message_names_what_to_resume_from(tmp_path):
     again; a fresh run (or one resumed from 'latest') to start again."""
     from types import SimpleNamespace
 
-    import train
+    from bilinear_lm.training import diverged_message
 
     def message(resume_from_checkpoint):
         cfg = SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path), learning_rate=1e-3,
                                                     resume_from_checkpoint=resume_from_checkpoint))
-        return train.diverged_message(cfg, 7, "the gradient norm is nan")
+        return diverged_message(cfg, 7, "the gradient norm is nan")
 
     assert message("other/checkpoints/step_90").endswith(
         "no checkpoint was saved since this run resumed from other/checkpoints/step_90: resume from it again with "

@@ -97,7 +97,7 @@ def test_help_lists_every_key_and_every_model_key_with_its_type(capsys):
 def test_eos_follows_every_document_of_a_dataset_but_not_every_line_of_a_txt_file(tmp_path):
     """--add_eos by default: on for --dataset (a Hub dataset, here a local folder of one) and .jsonl rows, which are
     documents; off for a .txt file, whose rows are its lines; --add_eos true puts it after every line too."""
-    import train
+    from bilinear_lm.training import load_data
 
     docs = [f"story number {i}, once upon a time. " * 8 for i in range(12)]
     (tmp_path / "stories").mkdir()
@@ -108,7 +108,7 @@ def test_eos_follows_every_document_of_a_dataset_but_not_every_line_of_a_txt_fil
                                  ([f"--train_file={tmp_path / 'lines.txt'}", "--add_eos=true"], True)):
         cfg = parse_config([*data_args, "--bpe_vocab_size=300", "--block_size=16", "--batch_size=1",
                             f"--output_dir={tmp_path / 'out'}"])
-        data = train.load_data(cfg, SimpleNamespace(is_main_process=True, num_processes=1), None)
+        data = load_data(cfg, SimpleNamespace(is_main_process=True, num_processes=1), None)
         ids = torch.cat([data.blocks[split][:]["input_ids"].flatten() for split in ("train", "validation")])
         eos = (ids == data.tokenizer.eos_token_id).sum().item()
         assert eos >= len(docs) - 2 if documents else eos == 0, (data_args, eos)  # the packing drops partial tails
@@ -311,12 +311,11 @@ def test_removed_flags_are_unknown_arguments(flag, capsys):
 
 def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     """A tokenizer whose ids are not below its length (a gap in its vocabulary)."""
-    import train
     from datasets import Dataset, DatasetDict
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from bilinear_lm.training import tokenize_and_pack
+    from bilinear_lm.training import check_token_ids, tokenize_and_pack
 
     vocab = {c: i for i, c in enumerate("abcd")} | {"e": 40}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))
@@ -326,8 +325,8 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     blocks = tokenize_and_pack(raw, tokenizer, 8)
     with pytest.raises(TrainingInputError, match=r"token id 40 in the train data is outside the model's "
                                                  r"vocabulary of 5 ids .*--model.vocab_size 41"):
-        train.check_token_ids(blocks, 5)
-    train.check_token_ids(blocks, 41)
+        check_token_ids(blocks, 5)
+    check_token_ids(blocks, 41)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -470,11 +469,12 @@ def test_a_resumed_streaming_run_reads_the_blocks_an_uninterrupted_one_reads(tmp
     """--streaming: the checkpoint records the stream's position (data_state_0.json); the run resumed from it reads
     the next blocks an uninterrupted run reads."""
     import train
+    from bilinear_lm.training import micro_batches
 
     text = "".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(300))
     (tmp_path / "train.txt").write_text(text)
     (tmp_path / "val.txt").write_text(text[:2000])
-    seen, micro_batches = {}, train.micro_batches
+    seen = {}
 
     def recorded(accelerator, train_dl, state):
         for batch in micro_batches(accelerator, train_dl, state):

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on an in-memory model (used by train.py ``--eval_lm_harness``).
+"""lm-evaluation-harness on an in-memory model (train.py ``--eval_lm_harness``: ``run_harness``).
 
     from bilinear_lm.evaluation.harness import run_lm_eval
     metrics = run_lm_eval(model, tokenizer, ["wikitext2_local", "lambada_openai_local"], limit=20)
@@ -13,6 +13,7 @@ always included. Equivalent stock CLI on a saved checkpoint (from the repo root;
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,12 @@ def run_lm_eval(model, tokenizer, tasks, limit: int | float | None = None, batch
     if return_raw:
         return out
     return _summarize(out["results"])
+
+
+def run_harness(model, tokenizer, tasks: str, limit: int | float | None, out_dir: Path) -> None:
+    """``run_lm_eval`` on the comma-separated ``tasks`` (train.py's final model, ``--eval_lm_harness``), the results
+    written to OUT_DIR/lm_harness.json."""
+    tasks = [t.strip() for t in tasks.split(",") if t.strip()]
+    results = run_lm_eval(model, tokenizer, tasks, limit=limit)  # {task: {metric: value}}
+    (out_dir / "lm_harness.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"lm-eval-harness results written to {out_dir / 'lm_harness.json'}")

@@ -128,6 +128,23 @@ def _step(path: Path) -> int:
         return -1
 
 
+def diverged_message(cfg: Config, step: int, what: str) -> str:
+    """The error of a run whose gradient or training loss (``what``) stopped being finite, before the weights take
+    it: where, what is kept, and what to do."""
+    kept = find_checkpoint(cfg.train.output_dir, "latest", warn=lambda _: None)
+    resumed = cfg.train.resume_from_checkpoint
+    if kept is not None:
+        resume = (f"the last checkpoint, {kept}, is from before it: resume from it with --resume_from_checkpoint "
+                  "latest --allow_config_change and a lower --learning_rate")
+    elif resumed not in (None, "latest"):  # resumed from a checkpoint of another run's folder
+        resume = (f"no checkpoint was saved since this run resumed from {resumed}: resume from it again with "
+                  "--allow_config_change and a lower --learning_rate")
+    else:
+        resume = "no checkpoint was saved: start again with a lower --learning_rate"
+    return (f"{what} at step {step} (learning rate {cfg.train.learning_rate:g}): the run diverged and stops here; "
+            f"{resume} (or a smaller --grad_clip)")
+
+
 # ------------------------------------------------------------------------------------------------ config
 # What a resumed run may change, by field of DataConfig and TrainConfig (a test checks that every field is in exactly
 # one of the sets, so a new option has to be placed):

@@ -16,7 +16,7 @@ import re
 import types
 import typing
 from argparse import ArgumentDefaultsHelpFormatter, ArgumentTypeError, RawDescriptionHelpFormatter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -255,3 +255,9 @@ def parse_config(argv: list[str]) -> Config:
     except TrainingInputError as err:
         raise TrainingInputError(f"preset {cfg.train.config}: {err}") from None
     return parser.parse(preset + list(argv))  # the last value of a key wins: the command line's
+
+
+def flat_config(cfg: Config) -> dict:
+    """The config as tracker hyperparameters: scalars as they are, `model.KEY` for the model keys."""
+    flat = {**asdict(cfg.data), **asdict(cfg.train), **{f"model.{k}": v for k, v in cfg.model.items()}}
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}

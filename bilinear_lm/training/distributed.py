@@ -1,7 +1,9 @@
 """Helpers for running on several processes (and on CPUs): every rank fails together instead of leaving the others
-waiting in a collective; identical parameters across ranks; the bf16-on-CPU warning."""
+waiting in a collective; identical parameters across ranks; the end of a run (the model freed before the process
+group); the bf16-on-CPU warning."""
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -87,6 +89,17 @@ def params_identical_across_ranks(accelerator, model) -> bool | None:
     checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).reshape(1, -1)
     all_checksums = accelerator.gather(checksum)
     return bool((all_checksums == all_checksums[0]).all().item())
+
+
+def end_training(accelerator) -> None:
+    """Free the prepared model, then destroy the process group. Order matters under DDP over gloo: the model's
+    Reducer holds the group, and if it is freed last the group's destructor joins gloo's worker thread while holding
+    the GIL, which that thread may need to drop a finished collective's tensors: a deadlock at exit, 1 launch in 5
+    (pytorch/pytorch#56297; docs/results-history.md). Freed first, the group's last reference is the Python one,
+    whose destructor releases the GIL."""
+    accelerator.free_memory()  # drops the accelerator's references to the model, optimizer, scheduler, loaders
+    gc.collect()  # free_memory collects before it drops them; a DDP model is in reference cycles
+    accelerator.end_training()
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
