@@ -1,4 +1,9 @@
-"""Shared test fixtures: the offline data directory and a tiny model config (tiny checkpoints: fixtures.py)."""
+"""Shared test fixtures: the tests' own data folder and a tiny model config (tiny checkpoints: fixtures.py).
+
+The suite reads no data from outside the repository: tokenizers train on the Tiny Shakespeare text the package ships
+(bilinear_lm.training.DEFAULT_TRAIN_FILE), and the local lm-eval tasks read TEST_DATA, a few KB in the layout of
+their real data folder, written from that text by tests/data/make_data.py. .ci/run runs the suite in a copy of the
+checkout with nothing beside it."""
 import os
 from pathlib import Path
 
@@ -9,16 +14,9 @@ if not torch.cuda.is_available():  # run the Triton kernels on CPU tensors (set 
     os.environ["TRITON_INTERPRET"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+TEST_DATA = REPO_ROOT / "tests" / "data"  # wikitext-2-raw/wiki.{valid,test}.raw, lambada/lambada_test.jsonl
 
 torch.set_num_threads(2)
-
-
-@pytest.fixture
-def data_dir() -> Path:
-    if not DATA_DIR.is_dir():
-        pytest.fail(f"offline data not found at {DATA_DIR} (expected ../shared/data beside the repo)")
-    return DATA_DIR
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Test fixtures: tiny offline checkpoints (no hub access).
 
 ``build_tokenizer`` trains train.py's byte-level BPE (``bilinear_lm.training.data.train_bpe_tokenizer``: lossless,
-BOS = EOS = pad = ``<|endoftext|>``) on a slice of a local text file.
+BOS = EOS = pad = ``<|endoftext|>``) on a slice of a text file (default: the Tiny Shakespeare text the package ships).
 ``save_tiny_checkpoint`` saves a randomly initialized tiny model (llama or bilinear) + that tokenizer.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from conftest import DATA_DIR
+from bilinear_lm.training import DEFAULT_TRAIN_FILE
 
-DEFAULT_TEXT = DATA_DIR / "wikitext-2-raw" / "wiki.valid.raw"
+DEFAULT_TEXT = Path(DEFAULT_TRAIN_FILE)  # Tiny Shakespeare, package data (public domain)
 
 
 def build_tokenizer(text_file: str | Path = DEFAULT_TEXT, vocab_size: int = 512, n_chars: int = 200_000):

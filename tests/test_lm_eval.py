@@ -5,6 +5,7 @@ independent LAMBADA computation, and one run of the stock `lm_eval` CLI on a sav
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,6 @@ from bilinear_lm.evaluation.harness import TASKS_DIR, run_lm_eval
 from bilinear_lm.evaluation.lm_eval_tasks import bilinear_local_utils as local
 from fixtures import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL_TYPES = ["llama", "bilinear", "hybrid"]
 HYBRID = dict(layer_types=["bilinear", "sliding_attention"], sliding_window=16)  # a window: streaming stays exact
 N_WIKI, N_LAMBADA = 3, 6
@@ -29,31 +29,21 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def small_data_dir(tmp_path_factory):
-    """A BILINEAR_LM_DATA_DIR with the same layout and format as ../shared/data, but short: the first
-    articles of each WikiText split cut to a few lines, and the first LAMBADA passages."""
-    from conftest import DATA_DIR
+def small_data_dir():
+    """The tests' data folder (tests/data): the layout and formats of the tasks' real data folder, a few KB written
+    from Tiny Shakespeare by tests/data/make_data.py; N_WIKI + 1 test articles and N_LAMBADA + 2 passages, so the
+    limits below leave some out."""
+    from conftest import TEST_DATA
 
-    root = tmp_path_factory.mktemp("lm_eval_data")
-    (root / "wikitext-2-raw").mkdir()
-    (root / "lambada").mkdir()
-    for name in ("wiki.valid.raw", "wiki.test.raw"):
-        raw = (DATA_DIR / "wikitext-2-raw" / name).read_text(encoding="utf-8")
-        arts = local.split_wikitext_articles(raw)[:N_WIKI + 1]
-        short = [" \n" + "".join(a.splitlines(keepends=True)[: 3 + 2 * i])[: 600 + 500 * i] + "\n \n"
-                 for i, a in enumerate(arts)]
-        (root / "wikitext-2-raw" / name).write_text("".join(short), encoding="utf-8")
-    lines = (DATA_DIR / "lambada" / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-    (root / "lambada" / "lambada_test.jsonl").write_text("".join(lines[:N_LAMBADA + 2]), encoding="utf-8")
-    return root
+    return TEST_DATA
 
 
 @pytest.fixture(scope="module")
 def cli_run(tokenizer, small_data_dir, tmp_path_factory):
     """Launch the stock CLI once, in the background, as soon as the module starts (it spends ~15 s
     indexing lm-eval's built-in tasks); test_stock_lm_eval_cli_on_saved_checkpoint waits for it.
-    `lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True --include_path ...`
-    on a saved bilinear checkpoint."""
+    `lm_eval --model hf --model_args pretrained=CKPT,trust_remote_code=True --include_path ...
+    --metadata '{"data_dir": ...}'` on a saved bilinear checkpoint, with $BILINEAR_LM_DATA_DIR unset."""
     tmp = tmp_path_factory.mktemp("lm_eval_cli")
     ckpt = save_tiny_checkpoint(tmp / "ckpt", "bilinear", tokenizer=tokenizer, seed=4)
     exe = Path(sys.executable).with_name("lm_eval")
@@ -62,8 +52,10 @@ def cli_run(tokenizer, small_data_dir, tmp_path_factory):
     cmd += ["--model", "hf", "--model_args", f"pretrained={ckpt},trust_remote_code=True",
             "--tasks", "wikitext2_local,lambada_openai_local", "--include_path", str(TASKS_DIR),
             "--limit", "2", "--device", "cpu", "--batch_size", "2", "--output_path", str(out_dir)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1", local.DATA_ENV: str(small_data_dir)}
+    cmd += ["--metadata", json.dumps({"data_dir": str(small_data_dir)})]  # the explicit argument, not the env var
+    env = {k: v for k, v in os.environ.items() if k != local.DATA_ENV}
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": "1"})
     log = open(tmp / "log.txt", "w+")
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     yield {"proc": proc, "out_dir": out_dir, "log": log, "model_type": "bilinear"}
@@ -95,28 +87,84 @@ def all_finite(metrics: dict) -> bool:
 
 
 # ----------------------------------------------------------------------------- loaders
-def test_local_loaders_on_real_data(data_dir, monkeypatch):
-    monkeypatch.delenv(local.DATA_ENV, raising=False)  # default: ../shared/data from the current directory
-    monkeypatch.chdir(REPO)
+def test_local_loaders_split_the_test_data_into_articles(small_data_dir, monkeypatch):
+    """tests/data as make_data.py writes it (test_the_test_data_is_made_from_tiny_shakespeare): the test split's
+    articles start at its 4 top-level headings, the validation split's at its 2; sections and subsections stay inside
+    their article, and nothing is lost but the whitespace line before the first heading."""
+    monkeypatch.setenv(local.DATA_ENV, str(small_data_dir))
+    wiki = local.load_wikitext2()
+    assert (len(wiki["validation"]), len(wiki["test"])) == (2, N_WIKI + 1)
+    titles = [p.splitlines()[0] for p in wiki["test"]["page"]]
+    assert titles == [" = First Citizen = ", " = Messenger = ", " = VIRGILIA = ", " = COMINIUS = "]
+    assert [p.count(" = = = ") for p in wiki["test"]["page"]] == [2, 2, 4, 0]  # subsections (opening and closing)
+    assert wiki["validation"][0]["page"].startswith(" = Third Citizen = \n \n Third Citizen : But this ")
+    raw = (small_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+    assert raw.startswith(" \n = First Citizen = \n")
+    assert "".join(wiki["test"]["page"]) == raw[len(" \n"):]  # nothing lost
+    assert all(p.startswith(" = ") and not p.startswith(" = = ") for p in wiki["test"]["page"])
+    lam = local.load_lambada_openai()
+    assert len(lam["test"]) == N_LAMBADA + 2
+    assert lam["test"][0]["text"].startswith("One word more, one word. This tiger-footed rage")
+    # an explicit data_dir (lm_eval --metadata '{"data_dir": ...}') wins over the environment
+    monkeypatch.setenv(local.DATA_ENV, "/no/such/dir")
+    assert local.load_wikitext2(data_dir=str(small_data_dir))["test"]["page"] == wiki["test"]["page"]
+    assert local.load_lambada_openai(data_dir=str(small_data_dir), version=1.0)["test"]["text"] == lam["test"]["text"]
+
+
+def test_the_test_data_is_made_from_tiny_shakespeare(small_data_dir):
+    """tests/data is exactly make_data.py's output from the packaged Tiny Shakespeare (public domain): every file
+    byte for byte, and no other file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_data", small_data_dir / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    files = make_data.build(make_data.source_text())
+    on_disk = {p.relative_to(small_data_dir).as_posix() for p in small_data_dir.rglob("*")
+               if p.is_file() and p.name != "make_data.py" and "__pycache__" not in p.parts}
+    assert on_disk == set(files)
+    for rel, content in files.items():
+        assert (small_data_dir / rel).read_bytes() == content.encode("utf-8"), rel
+    # the LAMBADA property: each passage's target, its last word, occurs earlier in the passage
+    for line in files["lambada/lambada_test.jsonl"].splitlines():
+        *context, target = json.loads(line)["text"].split(" ")
+        assert target.isalpha() and target in re.findall(r"[A-Za-z']+", " ".join(context))
+
+
+@pytest.mark.skipif(not os.environ.get(local.DATA_ENV), reason=f"opt-in: set {local.DATA_ENV} to the real data folder")
+def test_local_loaders_on_real_data():
+    """With the real data (WikiText-2 raw, LAMBADA OpenAI): the published document counts."""
     wiki = local.load_wikitext2()
     # EleutherAI/wikitext_document_level wikitext-2-raw-v1 has 60 validation and 62 test pages
     assert (len(wiki["validation"]), len(wiki["test"])) == (60, 62)
     assert wiki["test"][0]["page"].startswith(" = Robert Boulter = \n")
     assert wiki["validation"][0]["page"].startswith(" = Homarus gammarus = \n")
-    raw = (data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+    raw = (Path(os.environ[local.DATA_ENV]) / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
     assert "".join(wiki["test"]["page"]) == raw[raw.index(" = Robert Boulter"):]  # nothing lost
     assert all(p.startswith(" = ") and not p.startswith(" = = ") for p in wiki["test"]["page"])
     lam = local.load_lambada_openai()
     assert len(lam["test"]) == 5153
 
 
-def test_loader_errors_name_the_env_var(tmp_path, monkeypatch):
+def test_loader_errors_name_the_env_var_and_the_layout(tmp_path, monkeypatch):
+    """One line each, naming what to set and the files it needs; no default folder is tried."""
+    monkeypatch.delenv(local.DATA_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    for load in (local.load_wikitext2, local.load_lambada_openai):
+        with pytest.raises(FileNotFoundError, match=rf"set {local.DATA_ENV}=DIR .*data_dir.*"
+                                                    r"wikitext-2-raw/wiki.test.raw and lambada/lambada_test.jsonl") as e:
+            load()
+        assert "\n" not in str(e.value) and "shared" not in str(e.value)
     monkeypatch.setenv(local.DATA_ENV, str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match=local.DATA_ENV):
+    with pytest.raises(FileNotFoundError, match=rf"{local.DATA_ENV}=.*nowhere: no such directory; it must hold wiki"):
         local.load_wikitext2()
+    with pytest.raises(FileNotFoundError, match=r"^data_dir=.*nowhere: no such directory"):
+        local.load_lambada_openai(data_dir=str(tmp_path / "nowhere"))
     monkeypatch.setenv(local.DATA_ENV, str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="lambada_test.jsonl"):
+    with pytest.raises(FileNotFoundError, match=rf"lambada_test.jsonl not found: .*{local.DATA_ENV}"):
         local.load_lambada_openai()
+    with pytest.raises(FileNotFoundError, match="wiki.valid.raw not found"):
+        local.load_wikitext2()
 
 
 def test_run_lm_eval_bad_include_path(tokenizer):

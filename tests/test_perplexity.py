@@ -20,18 +20,14 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def text(data_dir_module):
-    raw = (data_dir_module / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
-    return raw[:700]
+def text():
+    """The first 700 characters of the tests' WikiText-format file (Tiny Shakespeare; headings with an en dash, so
+    UTF-8 bytes outnumber characters)."""
+    from conftest import TEST_DATA
 
-
-@pytest.fixture(scope="module")
-def data_dir_module():
-    from conftest import DATA_DIR
-
-    if not DATA_DIR.is_dir():
-        pytest.fail(f"offline data not found at {DATA_DIR}")
-    return DATA_DIR
+    raw = (TEST_DATA / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")[:700]
+    assert len(raw) == 700 and len(raw.encode("utf-8")) > 700
+    return raw
 
 
 @pytest.fixture(scope="module")
