@@ -2,9 +2,9 @@
 """Cost of train.py's data pipeline on one file: wall time and peak resident memory of loading, BPE training and
 tokenizing + packing (at each --num-proc), and the size of the tokenized data on disk.
 
-    python benchmarks/data_scale.py                                     # ../shared/data/gutenberg/train.jsonl
-    python benchmarks/data_scale.py --file ../shared/data/tinystories/tinystories_sample.txt --num-proc 1,2
-    python benchmarks/data_scale.py --max-mb 5                          # the first 5 MB (whole lines) of the file
+    python benchmarks/data_scale.py --file $BILINEAR_LM_DATA_DIR/gutenberg/train.jsonl    # docs/results.md's rows
+    python benchmarks/data_scale.py --file $BILINEAR_LM_DATA_DIR/tinystories/tinystories_sample.txt --num-proc 1,2
+    python benchmarks/data_scale.py --file FILE --max-mb 5              # the first 5 MB (whole lines) of FILE
 
 Every step runs in its own process with a fresh, empty `datasets` cache (HF_DATASETS_CACHE in a temporary
 folder): the cold path, as a first run of train.py meets it. The BPE is trained once (train.py trains it on the
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_FILE = REPO.parent / "shared" / "data" / "gutenberg" / "train.jsonl"
 
 
 def cpu_name() -> str:
@@ -111,7 +110,7 @@ def slice_file(path: str, max_mb: float, root: Path) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--file", default=str(DEFAULT_FILE), help="a training file (or folder) as train.py takes it")
+    parser.add_argument("--file", required=True, help="a training file (or folder) as train.py takes it")
     parser.add_argument("--num-proc", default="1,2", help="comma-separated --num_proc values to measure")
     parser.add_argument("--block-size", type=int, default=1024)
     parser.add_argument("--bpe-vocab-size", type=int, default=8192)

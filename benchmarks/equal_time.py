@@ -2,8 +2,8 @@
 """Language-model quality at equal wall-clock budgets: any train.py preset, any set of models and variants.
 
     python benchmarks/equal_time.py --preset shakespeare-char --output shakespeare_char.md
-    python benchmarks/equal_time.py --preset tinystories --budgets 240 --seeds 0,1 --workdir runs/tinystories \
-        --run "bilinear=" --run "bilinear+conv=--model.conv_width 4" \
+    python benchmarks/equal_time.py --preset tinystories --data-dir DATA --budgets 240 --seeds 0,1 \
+        --workdir runs/tinystories --run "bilinear=" --run "bilinear+conv=--model.conv_width 4" \
         --run "llama=--model_type llama --learning_rate 2e-3"
 
 Every ``--run LABEL=OVERRIDES`` is a train.py run of the preset with those overrides (default: bilinear, llama and
@@ -15,6 +15,11 @@ calibrations need an otherwise idle machine: the training runs give the same los
 is (``--jobs 2`` runs two at a time, one thread each). Finished runs in ``--workdir`` are reused.
 Prints a table (params, tokens/s, ms/step, validation loss at each budget: mean over seeds and each seed);
 ``--output FILE`` also writes it to FILE.
+
+The tinystories and gutenberg presets name Hub datasets, but their results in docs/results*.md were measured on local
+files, which every run of them gets (before its own flags, which win): ``--data-dir DIR`` (default
+$BILINEAR_LM_DATA_DIR) holding ``tinystories/tinystories_sample.txt`` and ``gutenberg/{train,validation}.jsonl``.
+Other presets need no data folder.
 """
 
 from __future__ import annotations
@@ -43,18 +48,34 @@ UNTIMED_FLAGS = ("--learning_rate", "--min_lr_ratio", "--warmup_steps", "--weigh
                  "--beta1", "--beta2", "--grad_clip", "--seed", "--model.initializer_range",
                  "--model.input_factor_init_std", "--model.input_factor_multiplier")
 # The data each preset's results in docs/results.md were measured on, where it is not the preset's own (a Hub dataset):
-# passed before a run's own flags (which win).
-SHARED_DATA = REPO.parent / "shared" / "data"
-LOCAL_DATA = {"tinystories": ["--train_file", str(SHARED_DATA / "tinystories" / "tinystories_sample.txt")],
-              "gutenberg": ["--streaming", "false", "--train_file", str(SHARED_DATA / "gutenberg" / "train.jsonl"),
-                            "--validation_file", str(SHARED_DATA / "gutenberg" / "validation.jsonl")]}
+# train.py flags, the files relative to the data folder (--data-dir, default $DATA_ENV), passed before a run's own
+# flags (which win).
+DATA_ENV = "BILINEAR_LM_DATA_DIR"
+LOCAL_DATA = {"tinystories": [("--train_file", "tinystories/tinystories_sample.txt")],
+              "gutenberg": [("--streaming", None), ("--train_file", "gutenberg/train.jsonl"),
+                            ("--validation_file", "gutenberg/validation.jsonl")]}
+
+
+def local_data(preset: str, data_dir: str | Path | None) -> list[str]:
+    """train.py flags giving ``preset`` the local data its results were measured on ([] for other presets);
+    ValueError (one line: the flag, the env var and the files needed) without ``data_dir``."""
+    if preset not in LOCAL_DATA:
+        return []
+    files = [f for _, f in LOCAL_DATA[preset] if f]
+    if not data_dir:
+        raise ValueError(f"--preset {preset} runs on local data (its preset names a Hub dataset): pass --data-dir DIR "
+                         f"or set {DATA_ENV}=DIR, DIR holding {' and '.join(files)}")
+    missing = [f for f in files if not (Path(data_dir) / f).is_file()]
+    if missing:
+        raise ValueError(f"--preset {preset}: no {' or '.join(missing)} in the data folder {data_dir}")
+    return [x for flag, f in LOCAL_DATA[preset] for x in (flag, str(Path(data_dir) / f) if f else "false")]
 
 
 def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None,
-          eval_iters: int = 0):
+          eval_iters: int = 0, data_dir: str | Path | None = None):
     """One train.py run; returns its metrics records. A finished run in out_dir (its final save) is reused."""
     if not (out_dir / "config.json").exists():
-        local = LOCAL_DATA.get(preset.stem, [])
+        local = local_data(preset.stem, data_dir)
         cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(preset), *local, "--output_dir", str(out_dir),
                "--max_steps", str(max_steps), "--eval_interval", str(eval_interval), "--eval_iters", str(eval_iters),
                "--save_interval", "0", "--sample_tokens", "0", *overrides]
@@ -113,6 +134,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, help="also write the table to this markdown file (replaced)")
     parser.add_argument("--plot", type=Path, help="loss-vs-time plot of the largest budget (PNG)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (finished runs are reused); default: temporary")
+    parser.add_argument("--data-dir", default=os.environ.get(DATA_ENV),
+                        help=f"the local data of the tinystories and gutenberg presets (default: ${DATA_ENV})")
     args = parser.parse_args(argv)
     if not TRAIN_SCRIPT.is_file():
         parser.error(f"{TRAIN_SCRIPT} not found: this benchmark runs the repo's train.py, so it needs a source "
@@ -120,6 +143,10 @@ def main(argv=None) -> int:
     preset = PRESETS / f"{args.preset}.yaml"
     if not preset.exists():
         raise SystemExit(f"--preset {args.preset!r}: no {preset}; presets: {sorted(p.stem for p in PRESETS.glob('*.yaml'))}")
+    try:
+        local_data(preset.stem, args.data_dir)
+    except ValueError as e:
+        parser.error(str(e))
     budgets = [int(b) for b in args.budgets.split(",")] if args.steps is None else [args.steps]
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = [parse_run(spec) for spec in (args.runs or DEFAULT_RUNS)]
@@ -135,7 +162,7 @@ def main(argv=None) -> int:
                 if tuple(timed) not in calibrations:
                     key = shlex.join([args.preset, str(args.calibration_steps), *timed])
                     calib_dir = work / f"calib-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-                    calib = train(preset, calib_dir, args.calibration_steps, 0, timed, None)
+                    calib = train(preset, calib_dir, args.calibration_steps, 0, timed, None, data_dir=args.data_dir)
                     logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up
                     calibrations[tuple(timed)] = (parameter_count(calib_dir), seconds_per_step(calib),
                                                   sum(logged) / len(logged))
@@ -149,7 +176,8 @@ def main(argv=None) -> int:
                     jobs.append((label, budget, seed, steps, [*extra, "--seed", str(seed)]))
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             results = list(pool.map(lambda j: train(preset, work / f"{j[0]}-{j[1]}-seed{j[2]}", j[3],
-                                                    max(1, j[3] // args.evals), j[4], threads, args.eval_iters), jobs))
+                                                    max(1, j[3] // args.evals), j[4], threads, args.eval_iters,
+                                                    args.data_dir), jobs))
         losses = {}
         for (label, budget, seed, steps, _), records in zip(jobs, results):
             evals = [r for r in records if "val_loss" in r]

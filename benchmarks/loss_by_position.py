@@ -1,9 +1,9 @@
 """Validation loss by position: within documents packed into blocks, or within whole long books.
 
     python benchmarks/loss_by_position.py --checkpoints out/bilinear out/llama \
-        --train_file ../shared/data/tinystories/tinystories_sample.txt --block_size 512
+        --train_file $BILINEAR_LM_DATA_DIR/tinystories/tinystories_sample.txt --block_size 512
     python benchmarks/loss_by_position.py --checkpoints out/bilinear out/llama \
-        --books ../shared/data/gutenberg/validation.jsonl --block_size 512 --max_tokens 65536
+        --books $BILINEAR_LM_DATA_DIR/gutenberg/validation.jsonl --block_size 512 --max_tokens 65536
 
 Blocks (``--train_file``): rebuilds train.py's validation split (same ``--val_fraction``, blocks packed with each
 checkpoint's own tokenizer), scores every block, and averages the next-token loss by the target's distance from the

@@ -109,7 +109,7 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     the same number of steps), another for a different model; a fake train.py records every call."""
     calls = []
 
-    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0):
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None):
         calls.append((out_dir.name, max_steps, overrides))
         if max_steps == 30:  # a calibration: 0.5 s a step for the bilinear model, 0.25 s for llama
             step_s = 0.25 if "llama" in overrides else 0.5
@@ -152,22 +152,47 @@ def test_loss_by_position_counts_from_the_last_eos():
     torch.testing.assert_close(losses, torch.full((2,), math.log(10), dtype=torch.float64))
 
 
-def test_equal_time_trains_the_hub_presets_on_the_local_data(monkeypatch, tmp_path):
+def test_equal_time_trains_the_hub_presets_on_the_local_data(monkeypatch, tmp_path, capsys):
     """The tinystories and gutenberg presets name Hub datasets; equal_time.py passes the local data their results
-    were measured on (a run's own flags come later, so they win); other presets keep their own data."""
+    were measured on, from --data-dir or $BILINEAR_LM_DATA_DIR (a run's own flags come later, so they win); other
+    presets keep their own data and need no data folder. Without one, or without its files, a one-line usage error
+    before any run."""
     commands = []
     monkeypatch.setattr(equal_time.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd))
     (tmp_path / "metrics.jsonl").write_text("")
+    data = tmp_path / "data"
+    for name in ("tinystories/tinystories_sample.txt", "gutenberg/train.jsonl", "gutenberg/validation.jsonl"):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text("")
     for preset in ("tinystories", "gutenberg", "shakespeare-char"):
-        equal_time.train(equal_time.PRESETS / f"{preset}.yaml", tmp_path, 5, 1, ["--seed", "1"], None)
-    data = equal_time.REPO.parent / "shared" / "data"
+        equal_time.train(equal_time.PRESETS / f"{preset}.yaml", tmp_path, 5, 1, ["--seed", "1"], None, data_dir=data)
+    equal_time.train(equal_time.PRESETS / "shakespeare-char.yaml", tmp_path, 5, 1, ["--seed", "1"], None)
     flag = lambda cmd, name: cmd[cmd.index(name) + 1]
     assert flag(commands[0], "--train_file") == str(data / "tinystories" / "tinystories_sample.txt")
     assert commands[0].index("--train_file") < commands[0].index("--seed")
     assert flag(commands[1], "--train_file") == str(data / "gutenberg" / "train.jsonl")
     assert flag(commands[1], "--validation_file") == str(data / "gutenberg" / "validation.jsonl")
     assert flag(commands[1], "--streaming") == "false"
-    assert "--train_file" not in commands[2]
+    assert "--train_file" not in commands[2] and commands[3] == commands[2]
+
+    monkeypatch.delenv(equal_time.DATA_ENV, raising=False)
+    with pytest.raises(ValueError, match="--preset tinystories .*--data-dir DIR or set BILINEAR_LM_DATA_DIR=DIR"):
+        equal_time.train(equal_time.PRESETS / "tinystories.yaml", tmp_path, 5, 1, [], None)
+    (data / "gutenberg" / "validation.jsonl").unlink()
+    for argv, message in ((["--preset", "gutenberg"],
+                           "--preset gutenberg runs on local data (its preset names a Hub dataset): pass --data-dir "
+                           "DIR or set BILINEAR_LM_DATA_DIR=DIR, DIR holding gutenberg/train.jsonl and "
+                           "gutenberg/validation.jsonl"),
+                          (["--preset", "gutenberg", "--data-dir", str(data)],
+                           f"--preset gutenberg: no gutenberg/validation.jsonl in the data folder {data}")):
+        with pytest.raises(SystemExit):
+            equal_time.main(argv)
+        assert f"error: {message}\n" in capsys.readouterr().err
+    monkeypatch.setenv(equal_time.DATA_ENV, str(data))  # the env var as the default
+    with pytest.raises(SystemExit):
+        equal_time.main(["--preset", "gutenberg"])
+    assert "no gutenberg/validation.jsonl" in capsys.readouterr().err
+    assert len(commands) == 4  # no run started
 
 
 def test_data_scale_measures_each_step_and_prints_a_row_per_num_proc(monkeypatch, tmp_path, capsys):
