@@ -23,7 +23,7 @@ definition), ``bits_per_byte = nll / bytes / ln 2`` with ``bytes = len(text.enco
 
 CLI: ``bilinear-perplexity`` once installed, ``python eval/perplexity.py`` in a checkout (same arguments)::
 
-    bilinear-perplexity --model CKPT --file ../shared/data/wikitext-2-raw/wiki.test.raw \\
+    bilinear-perplexity --model CKPT --file $BILINEAR_LM_DATA_DIR/wikitext-2-raw/wiki.test.raw \\
         --mode both --segment_len 512 --max_length 1024 --stride 512 --output ppl.json
     bilinear-perplexity --model CKPT --dataset wikitext --dataset_config wikitext-2-raw-v1 --split test
 """
