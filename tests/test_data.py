@@ -22,7 +22,8 @@ def shakespeare_raw():
 
 
 def test_the_shipped_default_text_is_tiny_shakespeare():
-    """karpathy/char-rnn's input.txt byte for byte (the SHA-256 that ../shared/data/README.md lists)."""
+    """karpathy/char-rnn's data/tinyshakespeare/input.txt byte for byte (its SHA-256 as the data folder's README
+    lists it)."""
     digest = hashlib.sha256(Path(D.DEFAULT_TRAIN_FILE).read_bytes()).hexdigest()
     assert digest == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
