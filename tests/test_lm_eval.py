@@ -146,13 +146,18 @@ def test_local_loaders_on_real_data():
     assert len(lam["test"]) == 5153
 
 
-def test_loader_errors_name_the_env_var_and_the_layout(tmp_path, monkeypatch):
-    """One line each, naming what to set and the files it needs; no default folder is tried."""
+def test_loader_errors_name_the_env_var_and_the_layout(small_data_dir, tmp_path, monkeypatch):
+    """One line each, naming what to set and the files it needs; no default folder is tried (not even a complete
+    ../shared/data beside the current directory, the old default)."""
+    import shutil
+
     monkeypatch.delenv(local.DATA_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
+    shutil.copytree(small_data_dir, tmp_path / "shared" / "data")
+    (tmp_path / "repo").mkdir()
+    monkeypatch.chdir(tmp_path / "repo")
     for load in (local.load_wikitext2, local.load_lambada_openai):
-        with pytest.raises(FileNotFoundError, match=rf"set {local.DATA_ENV}=DIR .*data_dir.*"
-                                                    r"wikitext-2-raw/wiki.test.raw and lambada/lambada_test.jsonl") as e:
+        with pytest.raises(FileNotFoundError, match=rf"set {local.DATA_ENV}=DIR .*data_dir.*wikitext-2-raw/"
+                                                    r"wiki.test.raw and lambada/lambada_test.jsonl") as e:
             load()
         assert "\n" not in str(e.value) and "shared" not in str(e.value)
     monkeypatch.setenv(local.DATA_ENV, str(tmp_path / "nowhere"))

@@ -36,8 +36,8 @@ def resolve_data_dir(path: str | os.PathLike | None = None) -> Path:
 
 def _need(path: Path) -> Path:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the data folder ({DATA_ENV}, or data_dir in the task metadata) must "
-                           f"hold {LAYOUT}")
+        raise FileNotFoundError(f"{path} not found: the data folder ({DATA_ENV}, or data_dir in the task "
+                                f"metadata) must hold {LAYOUT}")
     return path
 
 
