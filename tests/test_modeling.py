@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from bilinear_lm import BilinearConfig, BilinearForCausalLM, BilinearModel
+from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM, BilinearModel
+from bilinear_lm.modeling.modeling_bilinear import BilinearCausalLMOutput, BilinearModelOutput
 
 
 def build(config, dtype=torch.float32, seed=0):
@@ -243,6 +244,39 @@ def test_torch_compile_traces_a_training_step_of_a_preset_in_one_graph(preset, c
     torch.testing.assert_close(compiled, eager)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_return_dict_false_returns_the_outputs_to_tuple(tiny_bilinear_config, how):
+    """``return_dict=False``, as an argument or ``config.return_dict``, makes ``BilinearForCausalLM`` and
+    ``BilinearModel`` return their ``ModelOutput``'s fields as a tuple, in order and without the None ones (the
+    ``to_tuple()`` of transformers' models): ``loss, logits, *rest = model(ids, labels=ids, return_dict=False)``."""
+    model = build(tiny_bilinear_config)
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 6))
+    lm_kwargs = dict(labels=ids, output_hidden_states=True, output_mixer_states=True, use_cache=False)
+    with torch.no_grad():
+        lm = model(ids, **lm_kwargs)
+        base = model.model(ids, output_hidden_states=True)
+        if how == "config":
+            model.config.return_dict = False
+            lm_tuple, base_tuple = model(ids, **lm_kwargs), model.model(ids, output_hidden_states=True)
+            assert isinstance(model(ids, return_dict=True), BilinearCausalLMOutput)  # the argument wins
+        else:
+            lm_tuple = model(ids, **lm_kwargs, return_dict=False)
+            base_tuple = model.model(ids, output_hidden_states=True, return_dict=False)
+        loss, logits, cache = model(ids, labels=ids, use_cache=True, return_dict=False)
+    assert isinstance(lm, BilinearCausalLMOutput) and isinstance(base, BilinearModelOutput)
+    assert type(lm_tuple) is tuple and type(base_tuple) is tuple
+    assert len(lm_tuple) == 4 and len(base_tuple) == 3  # no cache (use_cache=False), no attentions
+    for got, expected in [(lm_tuple, (lm.loss, lm.logits, lm.hidden_states, lm.mixer_states)),
+                          (base_tuple, (base.last_hidden_state, base.past_key_values, base.hidden_states))]:
+        for a, b in zip(got, expected):
+            if isinstance(b, BilinearCache):
+                assert isinstance(a, BilinearCache) and a.get_seq_length() == b.get_seq_length()
+            else:
+                assert torch.equal(torch.stack(a) if isinstance(a, tuple) else a,
+                                   torch.stack(b) if isinstance(b, tuple) else b)
+    assert torch.equal(loss, lm.loss) and torch.equal(logits, lm.logits) and isinstance(cache, BilinearCache)
 
 
 def test_bad_input_ids_raise_a_clear_error(tiny_bilinear_config):

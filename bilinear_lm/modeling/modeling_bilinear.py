@@ -19,6 +19,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
+from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_bilinear import BilinearConfig
 from .dispatch import linear
@@ -538,6 +540,7 @@ class BilinearModel(BilinearPreTrainedModel):
         make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {kind: make[kind](**kwargs) for kind in self.attention_types}
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -548,11 +551,13 @@ class BilinearModel(BilinearPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_mixer_states: bool = False,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> BilinearModelOutput:
         """``position_ids`` (``[B, T]``, the attention layers' rotary positions) default to the positions consumed
-        so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token."""
+        so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token.
+
+        transformers' ``capture_outputs`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``) returns
+        ``to_tuple()``."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BilinearModel.forward: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -639,6 +644,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -650,10 +656,11 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_mixer_states: bool = False,
-        return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> BilinearCausalLMOutput:
+        """transformers' ``can_return_tuple`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``)
+        returns ``to_tuple()``."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -663,6 +670,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_mixer_states=output_mixer_states,
+            return_dict=True,  # a ModelOutput whatever config.return_dict says: this forward reads its fields
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
