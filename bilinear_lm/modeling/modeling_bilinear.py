@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from transformers.utils.generic import can_return_tuple
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_bilinear import BilinearConfig
 from .dispatch import linear
@@ -282,7 +282,9 @@ class BilinearAttention(nn.Module):
     """Causal softmax attention of the hybrid layers, Llama's: q/k/v/o projections, rotary embedding, grouped
     key/value heads, run by transformers' attention interface (``config._attn_implementation``: sdpa by default).
     The mask says what each query sees (causal, padding, the sliding window, documents); the cache layer keeps the
-    keys and values (``DynamicSlidingWindowLayer``: only the last ``sliding_window - 1``)."""
+    keys and values (``DynamicSlidingWindowLayer``: only the last ``sliding_window - 1``). Returns
+    ``(output, weights)`` as transformers' attention modules do: the weights (``[B, heads, T, keys]``) only from an
+    implementation that computes them (``eager``; None from sdpa), which ``output_attentions`` records."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__()
@@ -299,9 +301,9 @@ class BilinearAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.scale_init_with_depth = True  # read by _init_weights
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """``(hidden [B,T,D], (cos, sin) or None (no rotary embedding), attention_mask (the interface's mask, or
-        None), cache) -> [B,T,D]``."""
+        None), cache, **kwargs (to the attention interface)) -> (output [B,T,D], weights or None)``."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = linear(self.q_proj, hidden_states).view(shape).transpose(1, 2)
         key = linear(self.k_proj, hidden_states).view(shape).transpose(1, 2)
@@ -311,9 +313,9 @@ class BilinearAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                           sliding_window=self.sliding_window)
-        return linear(self.o_proj, out.reshape(*hidden_states.shape[:-1], -1))
+        out, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                                 sliding_window=self.sliding_window, **kwargs)
+        return linear(self.o_proj, out.reshape(*hidden_states.shape[:-1], -1)), weights
 
 
 class PreNormBlock(GradientCheckpointingLayer):
@@ -380,12 +382,13 @@ class BilinearAttentionBlock(PreNormBlock):
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__(config, layer_idx, attention=BilinearAttention(config, layer_idx))
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, mask=None, reset=None):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, mask=None, reset=None,
+                **kwargs):
         """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache, mask [B,T] (padding, for the
-        convolution), reset [B,T] (document starts)) -> hidden``."""
+        convolution), reset [B,T] (document starts), **kwargs (to the attention interface)) -> hidden``."""
         attention_input = self.mixing_input(hidden_states, cache, mask, reset)
-        hidden_states = hidden_states + self.attention(attention_input, position_embeddings, attention_mask, cache)
-        return self.mlp_residual(hidden_states)
+        attended, _ = self.attention(attention_input, position_embeddings, attention_mask, cache, **kwargs)
+        return self.mlp_residual(hidden_states + attended)
 
 
 def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
@@ -452,6 +455,8 @@ class BilinearPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _supports_flash_attn = False
     _supports_sdpa = True  # the hybrids' attention layers (transformers' attention interface; eager works too)
+    # output_attentions: capture_outputs records each attention layer's weights (eager attention computes them)
+    _can_record_outputs = {"attentions": OutputRecorder(BilinearAttention, index=1)}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -557,7 +562,9 @@ class BilinearModel(BilinearPreTrainedModel):
         so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token.
 
         transformers' ``capture_outputs`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``) returns
-        ``to_tuple()``."""
+        ``to_tuple()``, and ``output_attentions=True`` records the attention layers' weights, one tensor per attention
+        layer (with ``attn_implementation="eager"``: sdpa computes none); the other ``kwargs`` go to the attention
+        interface."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BilinearModel.forward: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -613,7 +620,8 @@ class BilinearModel(BilinearPreTrainedModel):
                 if output_mixer_states:
                     all_mixer_states += (states,)
             else:
-                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset)
+                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset,
+                                      **kwargs)
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -660,7 +668,8 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> BilinearCausalLMOutput:
         """transformers' ``can_return_tuple`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``)
-        returns ``to_tuple()``."""
+        returns ``to_tuple()``. ``kwargs`` go to the model (``output_attentions``: see :meth:`BilinearModel.forward`)
+        and to the loss."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -671,6 +680,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_mixer_states=output_mixer_states,
             return_dict=True,  # a ModelOutput whatever config.return_dict says: this forward reads its fields
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -683,6 +693,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             mixer_states=outputs.mixer_states,
         )
 
