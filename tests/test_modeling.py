@@ -246,6 +246,36 @@ def test_torch_compile_traces_a_training_step_of_a_preset_in_one_graph(preset, c
         torch.testing.assert_close(p.grad, expected[name], msg=name)
 
 
+CONV_AND_RESETS = {"conv_width": 3, "reset_state_at_eos": True, "eos_token_id": 3, "num_hidden_layers": 1,
+                   "layer_types": ["bilinear"]}
+HYBRID = {**CONV_AND_RESETS, "num_hidden_layers": 3, "sliding_window": 3, "num_key_value_heads": 2,
+          "layer_types": ["bilinear", "full_attention", "sliding_attention"]}
+
+
+@pytest.mark.parametrize("changes", [CONV_AND_RESETS, HYBRID], ids=["pure", "hybrid"])
+def test_export_and_compile_with_an_attention_mask_give_eager_logits(tiny_bilinear_config, changes):
+    """An ``attention_mask`` (every tokenizer output carries one) leaves the forward traceable end to end (the
+    convolution, resets at EOS and, in the hybrid, the attention masks with documents): ``torch.export`` succeeds and
+    ``torch.compile(fullgraph=True)`` makes one graph (Dynamo's, where a data-dependent branch breaks it; export
+    traces the ATen graph). Nothing branches on the mask's values: the program exported
+    and the model compiled with one left-padded mask give eager's logits for it, for another padding and for an
+    all-ones mask (which eager drops). Exported without the cache (``BilinearCache`` is no pytree), compiled with it."""
+    model = build(with_changes(tiny_bilinear_config, **changes))
+    ids = torch.randint(4, tiny_bilinear_config.vocab_size, (2, 10))
+    ids[:, 6] = 3  # an EOS: a document starts at position 7
+    masks = [torch.ones_like(ids) for _ in range(3)]
+    masks[0][1, :4] = 0
+    masks[1][0, :2] = 0
+    with torch.no_grad():
+        expected = [model(ids, attention_mask=mask).logits for mask in masks]
+        exported = torch.export.export(model, (ids,), kwargs={"attention_mask": masks[0], "use_cache": False}).module()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        for mask, eager in zip(masks, expected):
+            valid = mask.bool()  # a padded position's logits mean nothing
+            torch.testing.assert_close(exported(ids, attention_mask=mask, use_cache=False).logits[valid], eager[valid])
+            torch.testing.assert_close(compiled(ids, attention_mask=mask).logits[valid], eager[valid])
+
+
 @pytest.mark.parametrize("how", ["argument", "config"])
 def test_return_dict_false_returns_the_outputs_to_tuple(tiny_bilinear_config, how):
     """``return_dict=False``, as an argument or ``config.return_dict``, makes ``BilinearForCausalLM`` and

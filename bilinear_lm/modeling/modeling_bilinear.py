@@ -587,7 +587,9 @@ class BilinearModel(BilinearPreTrainedModel):
             check_attention_mask(attention_mask, (B, T), offset, bool(self.attention_types))
             # generate() passes the mask of the whole sequence so far: keep the columns of this call.
             mask = attention_mask[:, -T:]
-            if bool(mask.all()):
+            # Eager mode drops an all-ones mask (the unmasked path is faster). Not while compiling or exporting: the
+            # test reads the mask's values, a data-dependent branch a graph cannot hold; the masked path is exact.
+            if not torch.compiler.is_compiling() and bool(mask.all()):
                 mask = None
         reset = None
         if self.config.reset_state_at_eos and input_ids is not None:
