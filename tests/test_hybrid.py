@@ -1,5 +1,6 @@
 """Hybrid layouts: attention layers among the bilinear ones (``layer_types``), on transformers' ``DynamicCache``."""
 
+import copy
 import math
 import os
 import subprocess
@@ -81,7 +82,7 @@ def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_w
 def reference_attention(attention, config, x, visible):
     """Plain masked softmax attention in fp64, written out: projections, rotary embedding at positions 0..T-1
     (``theta^(-2i/d)``; none with ``use_rope=False``), each query head on its key/value group, softmax over the
-    ``visible`` [B, T, T] keys."""
+    ``visible`` [B, T, T] keys. Returns ``(output [B, T, D], weights [B, heads, T, T])``."""
     B, T, D = x.shape
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = D // H
@@ -102,7 +103,15 @@ def reference_attention(attention, config, x, visible):
     v = v.repeat_interleave(H // G, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     weights = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-    return torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, D) @ attention.o_proj.weight.T
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, D) @ attention.o_proj.weight.T, weights
+
+
+def visible_keys(mask, window=None):
+    """``[B, T, T]``: the keys each query may see, written out: causal, not padding, within ``window`` if given."""
+    T = mask.shape[1]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = (j <= i) & mask.bool()[:, None, :]
+    return visible & (i - j < window) if window is not None else visible
 
 
 @pytest.mark.parametrize("kind,layer_idx", [("full_attention", 1), ("sliding_attention", 2)])
@@ -120,14 +129,78 @@ def test_attention_layer_equals_plain_masked_softmax(tiny_bilinear_config, kind,
     with torch.no_grad():
         masks = model.model.attention_masks(x, mask, None, positions, None)
         rotary = model.model.rotary_emb(x, positions) if use_rope else None
-        out = attention(x, rotary, masks[kind])
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    visible = (j <= i) & mask.bool()[:, None, :]
-    if kind == "sliding_attention":
-        visible &= i - j < WINDOW
+        out, weights = attention(x, rotary, masks[kind])
+    visible = visible_keys(mask, WINDOW if kind == "sliding_attention" else None)
     valid = mask.bool()  # a padded query sees no key: its output is whatever the implementation makes of that
-    expected = reference_attention(attention, model.config, x, visible)
+    expected, expected_weights = reference_attention(attention, model.config, x, visible)
     torch.testing.assert_close(out[valid], expected[valid], rtol=1e-5, atol=1e-6)  # Llama's rotary is fp32
+    if implementation == "eager":  # the weights too (sdpa computes none)
+        torch.testing.assert_close(weights.transpose(1, 2)[valid], expected_weights.transpose(1, 2)[valid],
+                                   rtol=1e-5, atol=1e-6)
+    else:
+        assert weights is None
+
+
+def eager_fp32_hybrid(base):
+    """The hybrid with eager attention, in fp32: eager attention takes its softmax in fp32 (Llama's), where fp64's
+    -1.8e308 mask becomes -inf and a padded query, which sees no key, NaN, which then reaches the valid positions
+    through the keys' values and the convolution."""
+    model = build(hybrid_config(base)).float()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def test_output_attentions_returns_each_attention_layers_softmax_weights(tiny_bilinear_config):
+    """``output_attentions=True`` (eager attention) returns one ``[B, heads, T, T]`` tensor per attention layer, in
+    layer order: softmax(QK^T / sqrt(d)) written out in fp64 over the keys each query sees (causal, padding, the
+    sliding window), from the layer's input (its norm and convolution of the hidden state below); the same as a tuple
+    with ``return_dict=False``. With sdpa, which computes no weights, there are none, as in transformers."""
+    model = eager_fp32_hybrid(tiny_bilinear_config)
+    config = model.config
+    ids, mask = left_padded(60, [9, 6])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+        as_tuple = model(ids, attention_mask=mask, output_attentions=True, use_cache=False, return_dict=False)
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (2, config.num_attention_heads, 9, 9)
+    valid = mask.bool()
+    for attentions, (layer_idx, window) in zip(out.attentions, [(1, None), (2, WINDOW)]):
+        layer = copy.deepcopy(model.model.layers[layer_idx]).double()
+        with torch.no_grad():
+            x = layer.mixing_input(out.hidden_states[layer_idx].double(), None, mask)
+            _, expected = reference_attention(layer.attention, config, x, visible_keys(mask, window))
+        torch.testing.assert_close(attentions.transpose(1, 2)[valid].double(), expected.transpose(1, 2)[valid],
+                                   rtol=1e-5, atol=1e-6)
+    logits, attentions = as_tuple  # (logits, attentions): no loss, cache or hidden states asked for
+    assert torch.equal(logits, out.logits) and len(attentions) == 2
+    assert all(torch.equal(a, b) for a, b in zip(attentions, out.attentions))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        assert model(ids, attention_mask=mask, output_attentions=True).attentions == ()
+
+
+def test_generate_returns_the_attention_weights_of_every_step(tiny_bilinear_config):
+    """``generate(output_attentions=True, return_dict_in_generate=True)``: per step, one tensor per attention layer;
+    the prompt's are the forward's, and each cached step's row equals the teacher-forced forward's row of that
+    position over the whole sequence (the sliding layer's cache holds its last WINDOW keys: the row's last ones)."""
+    model = eager_fp32_hybrid(tiny_bilinear_config)
+    ids, mask = left_padded(60, [7, 4])
+    steps = 4
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, output_attentions=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    assert len(out.attentions) == steps and all(len(step) == 2 for step in out.attentions)
+    full_mask = torch.cat([mask, torch.ones(2, steps - 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        forced = model(out.sequences[:, :-1], attention_mask=full_mask, output_attentions=True).attentions
+    prompt_len, valid = ids.shape[1], mask.bool()  # a padded query's weights mean nothing
+    for layer_pos in range(2):
+        prefill = out.attentions[0][layer_pos].transpose(1, 2)[valid]
+        torch.testing.assert_close(prefill, forced[layer_pos][:, :, :prompt_len, :prompt_len].transpose(1, 2)[valid])
+        for step in range(1, steps):
+            row = forced[layer_pos][:, :, prompt_len + step - 1, :prompt_len + step]
+            got = out.attentions[step][layer_pos]
+            assert got.shape[2] == 1
+            expected = row if layer_pos == 0 else row[..., -WINDOW:]
+            torch.testing.assert_close(got[:, :, 0], expected)
 
 
 def _packed_documents(vocab_size, lengths, seed=0):
@@ -269,8 +342,6 @@ def test_streaming_perplexity_is_exact_with_sliding_windows_and_refused_with_ful
 
 
 def test_text_generation_pipeline_batches_with_left_padding(tiny_bilinear_config):
-    import copy
-
     from transformers import pipeline
 
     from fixtures import cached_tokenizer

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from bilinear_lm import BilinearConfig, BilinearForCausalLM, BilinearModel
+from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM, BilinearModel
+from bilinear_lm.modeling.modeling_bilinear import BilinearCausalLMOutput, BilinearModelOutput
 
 
 def build(config, dtype=torch.float32, seed=0):
@@ -243,6 +244,69 @@ def test_torch_compile_traces_a_training_step_of_a_preset_in_one_graph(preset, c
     torch.testing.assert_close(compiled, eager)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+CONV_AND_RESETS = {"conv_width": 3, "reset_state_at_eos": True, "eos_token_id": 3, "num_hidden_layers": 1,
+                   "layer_types": ["bilinear"]}
+HYBRID = {**CONV_AND_RESETS, "num_hidden_layers": 3, "sliding_window": 3, "num_key_value_heads": 2,
+          "layer_types": ["bilinear", "full_attention", "sliding_attention"]}
+
+
+@pytest.mark.parametrize("changes", [CONV_AND_RESETS, HYBRID], ids=["pure", "hybrid"])
+def test_export_and_compile_with_an_attention_mask_give_eager_logits(tiny_bilinear_config, changes):
+    """An ``attention_mask`` (every tokenizer output carries one) leaves the forward traceable end to end (the
+    convolution, resets at EOS and, in the hybrid, the attention masks with documents): ``torch.export`` succeeds and
+    ``torch.compile(fullgraph=True)`` makes one graph (Dynamo's, where a data-dependent branch breaks it; export
+    traces the ATen graph). Nothing branches on the mask's values: the program exported
+    and the model compiled with one left-padded mask give eager's logits for it, for another padding and for an
+    all-ones mask (which eager drops). Exported without the cache (``BilinearCache`` is no pytree), compiled with it."""
+    model = build(with_changes(tiny_bilinear_config, **changes))
+    ids = torch.randint(4, tiny_bilinear_config.vocab_size, (2, 10))
+    ids[:, 6] = 3  # an EOS: a document starts at position 7
+    masks = [torch.ones_like(ids) for _ in range(3)]
+    masks[0][1, :4] = 0
+    masks[1][0, :2] = 0
+    with torch.no_grad():
+        expected = [model(ids, attention_mask=mask).logits for mask in masks]
+        exported = torch.export.export(model, (ids,), kwargs={"attention_mask": masks[0], "use_cache": False}).module()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        for mask, eager in zip(masks, expected):
+            valid = mask.bool()  # a padded position's logits mean nothing
+            torch.testing.assert_close(exported(ids, attention_mask=mask, use_cache=False).logits[valid], eager[valid])
+            torch.testing.assert_close(compiled(ids, attention_mask=mask).logits[valid], eager[valid])
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_return_dict_false_returns_the_outputs_to_tuple(tiny_bilinear_config, how):
+    """``return_dict=False``, as an argument or ``config.return_dict``, makes ``BilinearForCausalLM`` and
+    ``BilinearModel`` return their ``ModelOutput``'s fields as a tuple, in order and without the None ones (the
+    ``to_tuple()`` of transformers' models): ``loss, logits, *rest = model(ids, labels=ids, return_dict=False)``."""
+    model = build(tiny_bilinear_config)
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 6))
+    lm_kwargs = dict(labels=ids, output_hidden_states=True, output_mixer_states=True, use_cache=False)
+    with torch.no_grad():
+        lm = model(ids, **lm_kwargs)
+        base = model.model(ids, output_hidden_states=True)
+        if how == "config":
+            model.config.return_dict = False
+            lm_tuple, base_tuple = model(ids, **lm_kwargs), model.model(ids, output_hidden_states=True)
+            assert isinstance(model(ids, return_dict=True), BilinearCausalLMOutput)  # the argument wins
+        else:
+            lm_tuple = model(ids, **lm_kwargs, return_dict=False)
+            base_tuple = model.model(ids, output_hidden_states=True, return_dict=False)
+        loss, logits, cache = model(ids, labels=ids, use_cache=True, return_dict=False)
+    assert isinstance(lm, BilinearCausalLMOutput) and isinstance(base, BilinearModelOutput)
+    assert type(lm_tuple) is tuple and type(base_tuple) is tuple
+    assert len(lm_tuple) == 4 and len(base_tuple) == 3  # no cache (use_cache=False), no attentions
+    for got, expected in [(lm_tuple, (lm.loss, lm.logits, lm.hidden_states, lm.mixer_states)),
+                          (base_tuple, (base.last_hidden_state, base.past_key_values, base.hidden_states))]:
+        for a, b in zip(got, expected):
+            if isinstance(b, BilinearCache):
+                assert isinstance(a, BilinearCache) and a.get_seq_length() == b.get_seq_length()
+            else:
+                assert torch.equal(torch.stack(a) if isinstance(a, tuple) else a,
+                                   torch.stack(b) if isinstance(b, tuple) else b)
+    assert torch.equal(loss, lm.loss) and torch.equal(logits, lm.logits) and isinstance(cache, BilinearCache)
 
 
 def test_bad_input_ids_raise_a_clear_error(tiny_bilinear_config):

@@ -19,6 +19,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
+from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_bilinear import BilinearConfig
 from .dispatch import linear
@@ -280,7 +282,9 @@ class BilinearAttention(nn.Module):
     """Causal softmax attention of the hybrid layers, Llama's: q/k/v/o projections, rotary embedding, grouped
     key/value heads, run by transformers' attention interface (``config._attn_implementation``: sdpa by default).
     The mask says what each query sees (causal, padding, the sliding window, documents); the cache layer keeps the
-    keys and values (``DynamicSlidingWindowLayer``: only the last ``sliding_window - 1``)."""
+    keys and values (``DynamicSlidingWindowLayer``: only the last ``sliding_window - 1``). Returns
+    ``(output, weights)`` as transformers' attention modules do: the weights (``[B, heads, T, keys]``) only from an
+    implementation that computes them (``eager``; None from sdpa), which ``output_attentions`` records."""
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__()
@@ -297,9 +301,9 @@ class BilinearAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.scale_init_with_depth = True  # read by _init_weights
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """``(hidden [B,T,D], (cos, sin) or None (no rotary embedding), attention_mask (the interface's mask, or
-        None), cache) -> [B,T,D]``."""
+        None), cache, **kwargs (to the attention interface)) -> (output [B,T,D], weights or None)``."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = linear(self.q_proj, hidden_states).view(shape).transpose(1, 2)
         key = linear(self.k_proj, hidden_states).view(shape).transpose(1, 2)
@@ -309,9 +313,9 @@ class BilinearAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                           sliding_window=self.sliding_window)
-        return linear(self.o_proj, out.reshape(*hidden_states.shape[:-1], -1))
+        out, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                                 sliding_window=self.sliding_window, **kwargs)
+        return linear(self.o_proj, out.reshape(*hidden_states.shape[:-1], -1)), weights
 
 
 class PreNormBlock(GradientCheckpointingLayer):
@@ -378,12 +382,13 @@ class BilinearAttentionBlock(PreNormBlock):
     def __init__(self, config: BilinearConfig, layer_idx: int):
         super().__init__(config, layer_idx, attention=BilinearAttention(config, layer_idx))
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, mask=None, reset=None):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, mask=None, reset=None,
+                **kwargs):
         """``(hidden [B,T,D], (cos, sin), attention_mask (the interface's), cache, mask [B,T] (padding, for the
-        convolution), reset [B,T] (document starts)) -> hidden``."""
+        convolution), reset [B,T] (document starts), **kwargs (to the attention interface)) -> hidden``."""
         attention_input = self.mixing_input(hidden_states, cache, mask, reset)
-        hidden_states = hidden_states + self.attention(attention_input, position_embeddings, attention_mask, cache)
-        return self.mlp_residual(hidden_states)
+        attended, _ = self.attention(attention_input, position_embeddings, attention_mask, cache, **kwargs)
+        return self.mlp_residual(hidden_states + attended)
 
 
 def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
@@ -450,6 +455,8 @@ class BilinearPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _supports_flash_attn = False
     _supports_sdpa = True  # the hybrids' attention layers (transformers' attention interface; eager works too)
+    # output_attentions: capture_outputs records each attention layer's weights (eager attention computes them)
+    _can_record_outputs = {"attentions": OutputRecorder(BilinearAttention, index=1)}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -538,6 +545,7 @@ class BilinearModel(BilinearPreTrainedModel):
         make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {kind: make[kind](**kwargs) for kind in self.attention_types}
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -548,11 +556,15 @@ class BilinearModel(BilinearPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_mixer_states: bool = False,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> BilinearModelOutput:
         """``position_ids`` (``[B, T]``, the attention layers' rotary positions) default to the positions consumed
-        so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token."""
+        so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token.
+
+        transformers' ``capture_outputs`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``) returns
+        ``to_tuple()``, and ``output_attentions=True`` records the attention layers' weights, one tensor per attention
+        layer (with ``attn_implementation="eager"``: sdpa computes none); the other ``kwargs`` go to the attention
+        interface."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BilinearModel.forward: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -575,7 +587,9 @@ class BilinearModel(BilinearPreTrainedModel):
             check_attention_mask(attention_mask, (B, T), offset, bool(self.attention_types))
             # generate() passes the mask of the whole sequence so far: keep the columns of this call.
             mask = attention_mask[:, -T:]
-            if bool(mask.all()):
+            # Eager mode drops an all-ones mask (the unmasked path is faster). Not while compiling or exporting: the
+            # test reads the mask's values, a data-dependent branch a graph cannot hold; the masked path is exact.
+            if not torch.compiler.is_compiling() and bool(mask.all()):
                 mask = None
         reset = None
         if self.config.reset_state_at_eos and input_ids is not None:
@@ -608,7 +622,8 @@ class BilinearModel(BilinearPreTrainedModel):
                 if output_mixer_states:
                     all_mixer_states += (states,)
             else:
-                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset)
+                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset,
+                                      **kwargs)
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -639,6 +654,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -650,10 +666,12 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_mixer_states: bool = False,
-        return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> BilinearCausalLMOutput:
+        """transformers' ``can_return_tuple`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``)
+        returns ``to_tuple()``. ``kwargs`` go to the model (``output_attentions``: see :meth:`BilinearModel.forward`)
+        and to the loss."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -663,6 +681,8 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_mixer_states=output_mixer_states,
+            return_dict=True,  # a ModelOutput whatever config.return_dict says: this forward reads its fields
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -675,6 +695,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             mixer_states=outputs.mixer_states,
         )
 
