@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from bilinear_lm.training import TrainingInputError, parse_config, read_metrics, verify_checkpoint
-from test_train import ENV, REPO, SHAKESPEARE, _free_port, losses, tiny_args
+from test_train import ENV, Runs, losses, small_text, tiny_args  # noqa: F401 - small_text: the module's fixture
 
 HOST = socket.gethostname()
 LOCK_FILE = ".train.lock"  # held by a live run's main process, and naming it
@@ -37,14 +37,23 @@ UNTIL_SIGNALLED = {"max_steps": 100_000, "warmup_steps": 1000, "log_interval": 1
 QUICK = {"eval_interval": 0, "sample_tokens": 0, "save_total_limit": 0}
 
 
-def ddp_launch():
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port())]
+ddp_launch, popen = Runs._ddp_launch, Runs._popen  # accelerate launch --multi_gpu --num_processes 2; output piped
+# train.py (its cli: signals, exit status) with 50 ms of sleep before each micro-batch: the runs that wait for their
+# signal leave the 2 cores to the others' start and to the in-process tests (and the signal mostly lands in a sleep)
+THROTTLED_TRAIN = """
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+import train
+from bilinear_lm.training import micro_batches
 
+def throttled(accelerator, train_dl, state):
+    for batch in micro_batches(accelerator, train_dl, state):
+        time.sleep(0.05)
+        yield batch
 
-def popen(cmd, env=ENV):
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+train.micro_batches = throttled
+sys.exit(train.cli())
+"""
 
 
 def wait_for_step(proc, out_dir: Path, step: int, timeout: float = 300) -> None:
@@ -71,8 +80,9 @@ def stopped_line(output: str, name: str) -> re.Match:
 
 class Victims:
     """TERM, INT: single-process runs to be sent SIGTERM / SIGINT (TERM with 2 accumulation steps per optimizer
-    step); DDP: a 2-rank CPU DDP run whose launcher gets SIGTERM; DDP_REFUSED: a 2-rank launch into a folder whose
-    lock this test process holds, as a live run does (flock on .train.lock, which names it)."""
+    step); DDP: a 2-rank CPU DDP run whose launcher gets SIGTERM (all three THROTTLED_TRAIN); DDP_REFUSED: a 2-rank
+    launch of train.py into a folder whose lock this test process holds, as a live run does (flock on .train.lock,
+    which names it)."""
 
     def __init__(self, text, root: Path):
         self.text, self.root = text, root
@@ -80,10 +90,12 @@ class Victims:
                                                                       for name in ("term", "int", "ddp", "locked"))
         self.term_args = dict(UNTIL_SIGNALLED, gradient_accumulation_steps=2)
         self.term_step = None  # where SIGTERM stopped TERM
-        self.term = popen([sys.executable, "train.py", *tiny_args(text, self.term_dir, **self.term_args)])
-        self.int = popen([sys.executable, "train.py", *tiny_args(text, self.int_dir, **UNTIL_SIGNALLED)])
+        script = str(root / "throttled_train.py")
+        Path(script).write_text(THROTTLED_TRAIN)
+        self.term = popen([sys.executable, script, *tiny_args(text, self.term_dir, **self.term_args)])
+        self.int = popen([sys.executable, script, *tiny_args(text, self.int_dir, **UNTIL_SIGNALLED)])
         ddp_env = {**ENV, "ACCELERATE_USE_CPU": "1"}
-        self.ddp = popen(ddp_launch() + ["train.py", *tiny_args(text, self.ddp_dir, **UNTIL_SIGNALLED)], env=ddp_env)
+        self.ddp = popen(ddp_launch() + [script, *tiny_args(text, self.ddp_dir, **UNTIL_SIGNALLED)], env=ddp_env)
         self.locked_dir.mkdir()
         self.lock = open(self.locked_dir / LOCK_FILE, "w")  # noqa: SIM115 - held until stop()
         fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -98,13 +110,6 @@ class Victims:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-
-
-@pytest.fixture(scope="module")
-def small_text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "shakespeare_40k.txt"
-    path.write_text(SHAKESPEARE.read_text()[:40_000])
-    return str(path)
 
 
 @pytest.fixture(scope="module")
