@@ -8,8 +8,9 @@ Single process, N GPUs (`accelerate launch --multi_gpu --num_processes N`), CPU 
 `python train.py --help` lists every key; the parts live in `bilinear_lm.training`.
 
 Reads top to bottom: model and optimizer -> the training loop (log, evaluate, checkpoint) -> finish (save, plot,
-sample, lm-eval) -> main: the config, the data (`bilinear_lm.training.loader`), then the parts above in that order ->
-the command line.
+sample, lm-eval) -> main: the config, the output folder this run owns (`bilinear_lm.training.output_dir`) and the
+signals that stop it (`bilinear_lm.training.stopping`), then run: the data (`bilinear_lm.training.loader`), then the
+parts above in that order -> the command line.
 """
 import math
 import sys
@@ -26,10 +27,10 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from bilinear_lm.baselines import bilinear_config, build_model, count_parameters, optimizer_groups
 from bilinear_lm.evaluation.harness import run_harness
 from bilinear_lm.modeling.transitions import build_kernels
-from bilinear_lm.training import (Config, Data, DataError, MetricsLog, TrainingInputError, TrainState, append_metrics,
-                                  bf16_cpu_warning, check_config_change, check_launch, check_token_ids,
-                                  diverged_message, end_training, find_checkpoint, flat_config, load_data,
-                                  load_data_state, micro_batches, params_identical_across_ranks, parse_config,
+from bilinear_lm.training import (Config, Data, DataError, MetricsLog, StopOnSignal, Stopped, TrainingInputError,
+                                  TrainState, append_metrics, bf16_cpu_warning, check_launch, check_token_ids,
+                                  diverged_message, end_training, flat_config, load_data, load_data_state,
+                                  micro_batches, own_output_dir, params_identical_across_ranks, parse_config,
                                   plot_losses, save_checkpoint, unsharded_copy)
 from bilinear_lm.utils import eval_mode, keep_freed_memory
 
@@ -79,11 +80,12 @@ def evaluate(model, val_dl, accelerator, eval_iters: int) -> dict:
 
 
 def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, state: TrainState,
-          metrics: MetricsLog) -> None:
+          metrics: MetricsLog, stop: StopOnSignal) -> Stopped | None:
     """Optimizer steps until `max_steps`: log every `log_interval`, evaluate every `eval_interval`, checkpoint
-    every `save_interval` steps. Updates `state` in place."""
+    every `save_interval` steps. Updates `state` in place. A SIGTERM / SIGINT stops it at the end of a step, after
+    a checkpoint (every rank at the same step): it returns the Stopped to raise."""
     if state.step >= cfg.train.max_steps:
-        return
+        return None
     tokens_per_step = (cfg.train.batch_size * cfg.train.gradient_accumulation_steps * accelerator.num_processes
                        * cfg.data.block_size)
     pbar = tqdm(total=cfg.train.max_steps, initial=state.step, disable=not accelerator.is_local_main_process,
@@ -92,6 +94,7 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
     logged_step, logged_seconds = state.step, state.train_seconds  # where the throughput of the next log starts
     micro_losses = []  # this optimizer step's micro-batch losses
     t_mark = time.time()
+    stop.defer()  # a signal now waits for the end of the step
     for batch in micro_batches(accelerator, data.train_dl, state):
         lr = scheduler.get_last_lr()[0]  # the learning rate this step uses
         with accelerator.accumulate(model):
@@ -135,14 +138,20 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
             metrics.log(record)
             if accelerator.is_local_main_process:
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
-        if saving:
-            save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer, cfg,
-                            total_limit=cfg.train.save_total_limit,
-                            data_state=data.stream.state_dict() if data.stream is not None else None)
+        stop_signal = stop.requested(accelerator)  # SIGTERM / SIGINT on any rank: every rank stops after this step
+        if saving or stop_signal:
+            checkpoint = save_checkpoint(accelerator, cfg.train.output_dir, state, data.tokenizer, cfg,
+                                         total_limit=cfg.train.save_total_limit,
+                                         data_state=data.stream.state_dict() if data.stream is not None else None)
+        if stop_signal:
+            pbar.close()
+            return stop.stopped(accelerator, stop_signal, state.step, checkpoint)
         t_mark = time.time()  # evaluation and checkpoint time is not training time
         if last:
             break
     pbar.close()
+    stop.undefer()
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- finish
@@ -206,16 +215,16 @@ def main(argv: list[str] | None = None) -> dict:
     if warning:
         accelerator.print(warning)
     set_seed(cfg.train.seed)
-    resume_spec = cfg.train.resume_from_checkpoint
-    # damaged checkpoints are skipped by `latest` (with a warning), an error when named; then the options must match
-    resume = find_checkpoint(cfg.train.output_dir, resume_spec, warn=accelerator.print) if resume_spec else None
-    if resume_spec == "latest" and resume is None:
-        accelerator.print(f"no complete checkpoint in {out_dir}/checkpoints: starting from scratch")
-    if resume is not None:
-        check_config_change(resume, cfg, warn=accelerator.print)
-    if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
+    # from here SIGTERM / SIGINT stop the run with one line (at a step's end: after a checkpoint); the run owns
+    # out_dir (a lock; another run's results refused), `resume` is the checkpoint it continues (docs/training.md)
+    with StopOnSignal() as stop, own_output_dir(accelerator, cfg, warn=accelerator.print) as resume:
+        return run(cfg, accelerator, resume, stop)
 
+
+def run(cfg: Config, accelerator, resume, stop: StopOnSignal) -> dict:
+    """main's run in its output folder: the data, the model, training, the finish (a stopped run ends after its
+    checkpoint: Stopped)."""
+    out_dir = Path(cfg.train.output_dir)
     data = load_data(cfg, accelerator, resume)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, accelerator, data.tokenizer)
     check_token_ids(data.blocks, model.config.vocab_size)
@@ -250,22 +259,28 @@ def main(argv: list[str] | None = None) -> dict:
     if accelerator.log_with:
         accelerator.init_trackers("bilinear_lm", config=flat_config(cfg))
 
-    train(cfg, accelerator, model, optimizer, scheduler, data, state, metrics)
-    final = finish(cfg, accelerator, model, data, state, metrics, n_params)
+    stopped = train(cfg, accelerator, model, optimizer, scheduler, data, state, metrics, stop)
+    final = None if stopped else finish(cfg, accelerator, model, data, state, metrics, n_params)
     del model, optimizer, scheduler, data
     end_training(accelerator)
+    if stopped:
+        raise stopped
     return final
 
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: bad input is one line on stderr and exit status 1 (anything else is a bug and keeps its
-    traceback); `--help` prints every key and exits."""
+    traceback); a SIGTERM / SIGINT one line and 128 + the signal's number; `--help` prints every key and exits."""
     keep_freed_memory()  # large activations reused, not faulted in again each step (docs/training.md)
     try:
         main(argv)
     except (TrainingInputError, DataError) as err:
         sys.stderr.write(f"error: {err}\n")  # one write: the lines of a launch's processes never interleave
         return 1
+    except Stopped as stopped:
+        if not stopped.printed:
+            sys.stderr.write(f"{stopped}\n")
+        return stopped.exit_code
     return 0
 
 

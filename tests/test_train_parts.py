@@ -371,7 +371,7 @@ def test_verify_checkpoint_names_what_is_wrong(tmp_path, damage, reason):
 
 
 def test_latest_skips_damaged_and_incomplete_checkpoints_with_a_warning_and_a_named_one_is_an_error(tmp_path):
-    from bilinear_lm.training import find_checkpoint
+    from bilinear_lm.training import find_checkpoint, latest_checkpoint
 
     _fake_checkpoint(tmp_path, 2)
     _fake_checkpoint(tmp_path, 4)
@@ -389,7 +389,14 @@ def test_latest_skips_damaged_and_incomplete_checkpoints_with_a_warning_and_a_na
         find_checkpoint(str(tmp_path), str(tmp_path / "checkpoints" / "step_8"))
     for step in (2, 4):
         (tmp_path / "checkpoints" / f"step_{step}" / "model.safetensors").write_bytes(b"")
-    assert find_checkpoint(str(tmp_path), "latest", warn=warnings.append) is None and len(warnings) == 4
+    warnings.clear()
+    # none usable: None, and the damaged ones named with why, newest first (train.py's error lists them), no warnings
+    assert find_checkpoint(str(tmp_path), "latest", warn=warnings.append) is None and warnings == []
+    path, damaged = latest_checkpoint(str(tmp_path), warn=warnings.append)
+    assert path is None and warnings == []
+    assert [(p.name, why.split(",")[0]) for p, why in damaged] == [
+        ("step_6", "model.safetensors has 5 bytes"), ("step_4", "model.safetensors has 0 bytes"),
+        ("step_2", "model.safetensors has 0 bytes")]
 
 
 def test_prune_keeps_the_newest_complete_checkpoints_and_never_partial_or_just_written_ones(tmp_path):

@@ -92,18 +92,29 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
+def latest_checkpoint(output_dir: str,
+                      warn: Callable[[str], None] = print) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest OUTPUT_DIR/checkpoints/step_N that is complete and matches its manifest (None if none does), and
+    the newer complete ones skipped as damaged, newest first, each with why. When it finds one, it `warn`s about each
+    skipped one."""
+    done = [p for p in (Path(output_dir) / "checkpoints").glob("step_*") if (p / DONE_MARKER).exists()]
+    damaged = []
+    for path in sorted(done, key=_step, reverse=True):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            for bad, why in damaged:
+                warn(f"warning: skipping checkpoint {bad}: {why}; trying the previous one")
+            return _warn_if_unverified(path, warn), damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
 def find_checkpoint(output_dir: str, spec: str, warn: Callable[[str], None] = print) -> Path | None:
     """`latest` -> the newest OUTPUT_DIR/checkpoints/step_N that is complete and matches its manifest (None if there
-    is none), `warn`ing about each newer one skipped and why; else the checkpoint at path `spec`, which must be
-    complete and valid (else a one-line TrainingInputError)."""
+    is none), `warn`ing about each newer one skipped and why (`latest_checkpoint`); else the checkpoint at path
+    `spec`, which must be complete and valid (else a one-line TrainingInputError)."""
     if spec == "latest":
-        done = [p for p in (Path(output_dir) / "checkpoints").glob("step_*") if (p / DONE_MARKER).exists()]
-        for path in sorted(done, key=_step, reverse=True):
-            problem = verify_checkpoint(path)
-            if problem is None:
-                return _warn_if_unverified(path, warn)
-            warn(f"warning: skipping checkpoint {path}: {problem}; trying the previous one")
-        return None
+        return latest_checkpoint(output_dir, warn)[0]
     path = Path(spec)
     if not (path / DONE_MARKER).exists():
         raise TrainingInputError(f"--resume_from_checkpoint {spec!r}: not a complete checkpoint directory "
@@ -155,7 +166,7 @@ def diverged_message(cfg: Config, step: int, what: str) -> str:
 #   RESUME_FREE            how long to train and what to report: max_steps (extends or shortens the cosine schedule),
 #                          the logging / evaluation / checkpoint intervals and limits, trackers, the final sample and
 #                          lm-eval, DataLoader workers and tokenizing processes, autocast precision (another device may want another), where the
-#                          run writes, and the resume flags themselves. Never checked.
+#                          run writes, and the resume and overwrite flags themselves. Never checked.
 # The `--model.KEY`s all must match but for MODEL_RUNTIME_KEYS (how the same weights are computed, not what they are).
 RESUME_MUST_MATCH = {"model_type"}
 RESUME_CHANGE_ALLOWED_WITH_FLAG = {
@@ -164,8 +175,9 @@ RESUME_CHANGE_ALLOWED_WITH_FLAG = {
     "learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"}
 RESUME_FREE = {
     "config", "max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "save_total_limit",
-    "resume_from_checkpoint", "allow_config_change", "output_dir", "report_to", "sample_tokens", "sample_prompt",
-    "eval_lm_harness", "lm_harness_limit", "num_workers", "num_proc", "mixed_precision"}
+    "resume_from_checkpoint", "allow_config_change", "output_dir", "overwrite_output_dir", "report_to",
+    "sample_tokens", "sample_prompt", "eval_lm_harness", "lm_harness_limit", "num_workers", "num_proc",
+    "mixed_precision"}
 MODEL_RUNTIME_KEYS = {"recurrence_impl", "use_cache"}
 
 
@@ -233,11 +245,11 @@ def load_data_state(checkpoint: Path, rank: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- save
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, cfg: Config | None = None,
-                    total_limit: int = 0, data_state: dict | None = None) -> None:
+                    total_limit: int = 0, data_state: dict | None = None) -> Path:
     """accelerator.save_state into a temporary directory, the tokenizer, TrainState and config next to it (and each
     rank's `data_state`, its position in a streamed dataset), the manifest, the marker written last, then an atomic
     rename to OUTPUT_DIR/checkpoints/step_N; then keep only the newest `total_limit` complete checkpoints (0: all).
-    Every process calls it."""
+    Every process calls it; returns OUTPUT_DIR/checkpoints/step_N."""
     final = Path(output_dir) / "checkpoints" / f"step_{state.step}"
     tmp = final.with_name(f".tmp_step_{state.step}")
     if accelerator.is_main_process:
@@ -263,6 +275,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, 
         if total_limit:
             prune_checkpoints(output_dir, total_limit, keep=final)
     accelerator.wait_for_everyone()
+    return final
 
 
 def prune_checkpoints(output_dir: str, total_limit: int, keep: Path) -> list[Path]:

@@ -100,7 +100,11 @@ class TrainConfig:
         default=None, help="autocast precision; default: the launcher's (`accelerate launch --mixed_precision` or its "
                            "config file), else no")
     seed: int = HfArg(default=1337, help="initialization, data order and sampling seed")
-    output_dir: str = HfArg(default="out", help="metrics, checkpoints, loss plot and the final model")
+    output_dir: str = HfArg(default="out", help="metrics, checkpoints, loss plot and the final model; one live run "
+                            "at a time (a lock)")
+    overwrite_output_dir: bool = HfArg(default=False, help="delete another run's results (checkpoints, metrics.jsonl, "
+                                       "the final model) in --output_dir before this run starts afresh there; without "
+                                       "it such a run is refused (--resume_from_checkpoint continues the folder's run)")
     log_interval: int = HfArg(default=10, help="steps between training-loss records")
     eval_interval: int = HfArg(default=200, help="steps between validations (0 = none)")
     eval_iters: int = HfArg(default=50, help="validation batches per evaluation (0 = the whole split)")
