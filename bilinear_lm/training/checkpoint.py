@@ -243,7 +243,11 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, 
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
+    hook = accelerator.register_save_state_pre_hook(drop_tied_copies)
+    try:
+        accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
+    finally:
+        hook.remove()
     if data_state is not None:
         (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
     accelerator.wait_for_everyone()
@@ -263,6 +267,25 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, 
         if total_limit:
             prune_checkpoints(output_dir, total_limit, keep=final)
     accelerator.wait_for_everyone()
+
+
+def drop_tied_copies(models, weights, _output_dir) -> None:
+    """An `accelerator.save_state` pre-hook: leave each model's tied copies out of the state dict it saves, as
+    transformers' save_pretrained does (the weights a model declares tied, `all_tied_weights_keys`: e.g. the LM head
+    of tied embeddings). Accelerate's saver otherwise drops them itself, with a warning at every checkpoint ("Removed
+    shared tensor {'lm_head.weight'} ... check that you don't receive any warning while reloading"): it cannot tell a
+    declared tie from an accidental alias. Its loader (safetensors' `load_model`) accepts the missing alias of a
+    tensor it loads, and the model stays tied. `weights` holds the state dicts of the models Accelerate saves as
+    state dicts (none under FSDP or DeepSpeed, which save their own way)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    for model, state_dict in zip(models, weights):
+        tied = getattr(extract_model_from_parallel(model), "all_tied_weights_keys", None) or {}
+        for name in list(state_dict):
+            prefix = next((name[:-len(t)] for t in tied if name == t or name.endswith("." + t)), None)
+            source = None if prefix is None else state_dict.get(prefix + tied[name[len(prefix):]])
+            if source is not None and source.data_ptr() == state_dict[name].data_ptr():  # still one tensor
+                del state_dict[name]
 
 
 def prune_checkpoints(output_dir: str, total_limit: int, keep: Path) -> list[Path]:
