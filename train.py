@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(cfg.train.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
-        mixed_precision=cfg.train.mixed_precision,  # None: the launcher's (ACCELERATE_MIXED_PRECISION), else no
+        mixed_precision=cfg.train.mixed_precision,  # train.py's, else the launcher's, else the preset's (parse_config)
         log_with=None if cfg.train.report_to == "none" else cfg.train.report_to,
         project_dir=str(out_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{n_proc} process{'es' if n_proc > 1 else ''} ({accelerator.distributed_type.value}), global batch "
         f"{batch * n_proc * accum} sequences = batch_size {batch} x {n_proc} processes x {accum} accumulation steps "
         f"({batch * n_proc * accum * cfg.data.block_size} tokens per optimizer step), mixed precision "
-        f"{accelerator.mixed_precision}")
+        f"{accelerator.mixed_precision} ({cfg.mixed_precision_from})")
     if data.stream is None:
         model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
             model, optimizer, data.train_dl, data.val_dl, scheduler)

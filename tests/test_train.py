@@ -345,11 +345,17 @@ def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys
     assert f"vocab 65, {cut // 32} train / {(len(text) - cut) // 32} val blocks of 32" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag, runs_in", [([], "bf16"), (["--mixed_precision", "no"], "no")])
+@pytest.mark.parametrize("flag, runs_in, source", [
+    ([], "bf16", "the launcher's: accelerate launch --mixed_precision or its config file"),
+    (["--config", PRESET], "bf16", "the launcher's: accelerate launch --mixed_precision or its config file, over the "
+                                   "preset's no"),
+    (["--mixed_precision", "no"], "no", "train.py --mixed_precision"),
+], ids=["no-preset", "over-the-preset", "command-line"])
 def test_mixed_precision_is_the_launchers_unless_train_py_is_given_one(small_text, tmp_path, capsys, monkeypatch,
-                                                                       flag, runs_in):
+                                                                       flag, runs_in, source):
     """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: with no
-    --mixed_precision of its own (the preset here sets none) train.py runs in it, and says so; an explicit one wins."""
+    --mixed_precision of its own train.py runs in it, over a preset's (shakespeare-char's "no" used to win), and says
+    which one applied; train.py's own wins."""
     import train
     from accelerate.state import AcceleratorState
 
@@ -366,7 +372,7 @@ def test_mixed_precision_is_the_launchers_unless_train_py_is_given_one(small_tex
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     out = capsys.readouterr().out
-    assert f"tokens per optimizer step), mixed precision {runs_in}\n" in out
+    assert f"tokens per optimizer step), mixed precision {runs_in} ({source})\n" in out
     assert ("--mixed_precision bf16 on a CPU without native bf16" in out) == (runs_in == "bf16")
 
 

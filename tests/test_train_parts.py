@@ -30,6 +30,25 @@ def test_command_line_over_preset_over_dataclass_default(tmp_path):
     assert parse_config([]).train.max_steps == 1000 and parse_config([]).model == {}
 
 
+@pytest.mark.parametrize("command_line, launcher, preset, expected", [
+    ("fp16", "bf16", "no", ("fp16", "train.py --mixed_precision")),
+    (None, "bf16", "no", ("bf16", "the launcher's: accelerate launch --mixed_precision or its config file, over the "
+                                  "preset's no")),
+    (None, "bf16", None, ("bf16", "the launcher's: accelerate launch --mixed_precision or its config file")),
+    (None, "no", "bf16", ("bf16", "the preset's")),  # the launcher's "no" is also its default: not a choice
+    (None, None, "bf16", ("bf16", "the preset's")),
+    (None, "no", None, (None, "the launcher's default")),
+    (None, None, None, (None, "the default")),
+])
+def test_mixed_precision_command_line_then_launcher_then_preset(tmp_path, command_line, launcher, preset, expected):
+    preset_file = tmp_path / "preset.yaml"
+    preset_file.write_text("max_steps: 3\n" + (f"mixed_precision: {preset!r}\n" if preset else ""))
+    argv = ["--config", str(preset_file)] + (["--mixed_precision", command_line] if command_line else [])
+    cfg = parse_config(argv, environ={"ACCELERATE_MIXED_PRECISION": launcher} if launcher else {})
+    assert (cfg.train.mixed_precision, cfg.mixed_precision_from) == expected
+    assert cfg.train.max_steps == 3 and cfg.argv == tuple(argv)
+
+
 @pytest.mark.parametrize("preset_text, message", [
     ("max_steps: many\n", r"preset .*p.yaml: argument --max_steps/--max-steps: invalid int value: 'many'"),
     ("mixed_precision: no\n", r"preset .*p.yaml: argument --mixed_precision.* invalid choice: 'false'"),
