@@ -400,6 +400,33 @@ def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatc
         t: {"acc": 0.5, "acc_stderr": "N/A"} for t in ("lambada_openai", "arc_easy")}
 
 
+LAUNCHER_NOTICE = re.compile(r"The following values were not passed to `accelerate launch` and had defaults used "
+                             r"instead:\n(\t.*\n)+To avoid this warning .* run `accelerate config`\.\n")
+
+
+def test_the_readmes_command_fails_with_one_line_under_accelerate_launch(tmp_path):
+    """The README's command on a bad input (a missing --train_file), run as it is written: train.py's one `error:`
+    line is all that follows the launcher's notice of its defaults (printed at every launch, before train.py starts),
+    and the exit status is not 0. Without -q Accelerate's launcher re-raised the non-zero exit as a CalledProcessError
+    traceback (12 lines)."""
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"^accelerate launch (.*)train\.py (--config bilinear_lm/configs/tiny\.yaml)$", readme, re.M)
+    assert command, "the README's main command"
+    launcher = shlex.split(command.group(1))
+    args = [*shlex.split(command.group(2)), "--train_file", str(tmp_path / "missing.txt"), "--output_dir",
+            str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "train.py", *args], cwd=REPO,
+                          env={**ENV, "HF_HOME": str(tmp_path / "hf")},  # no accelerate config of this machine's
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    notice = LAUNCHER_NOTICE.match(done.stderr)
+    after = done.stderr[notice.end():] if notice else done.stderr
+    assert after == f"error: training file '{tmp_path / 'missing.txt'}' does not exist (resolved to " \
+                    f"{tmp_path / 'missing.txt'}); check the path\n", done.stderr
+
+
 # ---------------------------------------------------------------- checkpoints you can trust (issue 23 item 4)
 CKPT_STEPS = 8  # checkpoints at 2, 4, 6, 8
 
