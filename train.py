@@ -30,7 +30,8 @@ from bilinear_lm.training import (Config, Data, DataError, MetricsLog, TrainingI
                                   bf16_cpu_warning, check_config_change, check_launch, check_token_ids,
                                   diverged_message, end_training, find_checkpoint, flat_config, load_data,
                                   load_data_state, micro_batches, params_identical_across_ranks, parse_config,
-                                  plot_losses, save_checkpoint, unsharded_copy)
+                                  peak_rss_mib, plot_losses, read_metrics, run_summary, save_checkpoint,
+                                  unsharded_copy, write_model_card)
 from bilinear_lm.utils import eval_mode, keep_freed_memory
 
 
@@ -68,10 +69,13 @@ def build_model_and_optimizer(cfg: Config, accelerator, tokenizer):
 def evaluate(model, val_dl, accelerator, eval_iters: int) -> dict:
     """Mean validation loss (over ranks and the first `eval_iters` batches, 0 = all) and its perplexity."""
     losses = []
-    with torch.no_grad(), eval_mode(model):
+    total = min(eval_iters, len(val_dl)) if eval_iters else len(val_dl)
+    with torch.no_grad(), eval_mode(model), tqdm(total=total, desc="eval", leave=False, dynamic_ncols=True, delay=2,
+                                                 disable=not accelerator.is_local_main_process) as pbar:
         for i, batch in enumerate(val_dl):
             if eval_iters and i >= eval_iters:
                 break
+            pbar.update(1)  # shown when an evaluation takes more than 2 s
             loss = model(**batch).loss
             losses.append(accelerator.gather(loss.detach().float().reshape(1)))  # one batch mean per rank
     val_loss = torch.cat(losses).mean().item()
@@ -131,7 +135,7 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
 
         if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
             record = {"step": state.step, "train_seconds": state.train_seconds,
-                      **evaluate(model, data.val_dl, accelerator, cfg.train.eval_iters)}
+                      **evaluate(model, data.val_dl, accelerator, cfg.train.eval_iters), "peak_rss_mib": peak_rss_mib()}
             metrics.log(record)
             if accelerator.is_local_main_process:
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
@@ -165,7 +169,7 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
     unwrapped = accelerator.unwrap_model(model)
     final = {"step": state.step, "final": True,
              "params_identical_across_ranks": params_identical_across_ranks(accelerator, unwrapped),
-             "num_processes": accelerator.num_processes, "n_params": n_params}
+             "num_processes": accelerator.num_processes, "n_params": n_params, "peak_rss_mib": peak_rss_mib()}
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     out_dir = Path(cfg.train.output_dir)
@@ -184,7 +188,8 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
             print_sample(cfg, unwrapped, data.tokenizer, data.raw, accelerator.device)
         if cfg.train.eval_lm_harness:
             run_harness(unwrapped, data.tokenizer, cfg.train.eval_lm_harness, cfg.train.lm_harness_limit, out_dir)
-        print(f"saved model, tokenizer and generation config to {out_dir}")
+        write_model_card(out_dir, cfg, unwrapped, n_params, read_metrics(metrics.path))
+        print(f"saved model, tokenizer, generation config and model card (README.md) to {out_dir}")
     return final
 
 
@@ -192,6 +197,7 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured by ``argv`` (the command line's arguments); returns the final metrics record.
     Bad input raises TrainingInputError or DataError."""
+    started = time.time()
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     out_dir = Path(cfg.train.output_dir)
     accelerator = Accelerator(
@@ -252,6 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     train(cfg, accelerator, model, optimizer, scheduler, data, state, metrics)
     final = finish(cfg, accelerator, model, data, state, metrics, n_params)
+    if accelerator.is_main_process:
+        tokens = state.step * batch * n_proc * accum * cfg.data.block_size
+        print(run_summary(read_metrics(metrics.path), state.step, state.train_seconds, time.time() - started, tokens,
+                          out_dir, torch.cuda.max_memory_allocated() if accelerator.device.type == "cuda" else None))
     del model, optimizer, scheduler, data
     end_training(accelerator)
     return final

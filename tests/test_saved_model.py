@@ -1,45 +1,12 @@
-"""What train.py saves, read the way others read it: the final folder's tokenizer by AutoTokenizer in a process that
-never imports bilinear_lm, and checkpoints of tied embeddings (saved without transformers' or Accelerate's warnings,
-reloaded tied)."""
-import json
+"""What train.py saves besides metrics, read the way others read it: checkpoints of tied embeddings (saved without
+Accelerate's warning, reloaded tied), the model card (README.md, read by huggingface_hub) and the closing summary."""
 import logging
-import subprocess
-import sys
 
 import torch
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
-from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 
 SMALL = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_heads=2, state_size=4, rank=4)
-
-
-def test_the_saved_tokenizer_loads_with_autotokenizer_where_bilinear_lm_is_not_imported(tmp_path):
-    """transformers 5.23's AutoTokenizer reads the folder's config.json first; without the package (and without
-    trust_remote_code) it reads it as a plain PreTrainedConfig, which refused the layer type "bilinear"
-    (`layer_types` entries must be in (...)) before it looked at the tokenizer's files. A hybrid, attention layers
-    included."""
-    from datasets import Dataset
-
-    from bilinear_lm.training import build_tokenizer
-
-    text = "To be, or not to be, that is the question"
-    tokenizer = build_tokenizer("bpe", Dataset.from_dict({"text": [text] * 20}), vocab_size=300)
-    config = BilinearConfig(**{**SMALL, "vocab_size": len(tokenizer)}, num_attention_heads=2,
-                            layer_types=interleaved_layer_types(2, 2))
-    BilinearForCausalLM(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-
-    script = ("import sys; from transformers import AutoTokenizer; "
-              f"tok = AutoTokenizer.from_pretrained({str(tmp_path)!r}); "
-              "assert 'bilinear_lm' not in sys.modules; "
-              f"print('LOADED', len(tok), tok({text!r}).input_ids)")
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"LOADED {len(tokenizer)} {tokenizer(text).input_ids}" in done.stdout
-    assert json.loads((tmp_path / "config.json").read_text())["layer_types"] == ["linear_attention", "full_attention"]
-    assert BilinearConfig.from_pretrained(tmp_path).layer_types == ["bilinear", "full_attention"]  # read back
 
 
 def test_a_checkpoint_of_tied_embeddings_saves_without_a_warning_and_reloads_tied(tmp_path, caplog, capsys):
@@ -85,3 +52,49 @@ def test_a_checkpoint_of_tied_embeddings_saves_without_a_warning_and_reloads_tie
 class _NoTokenizer:
     def save_pretrained(self, path):
         path.mkdir(parents=True, exist_ok=True)
+
+
+RECORDS = [{"step": 5, "loss": 3.5, "lr": 1e-3, "train_seconds": 2.0, "tokens_per_sec": 100.0, "epoch": 0},
+           {"step": 10, "loss": 3.0, "lr": 1e-3, "train_seconds": 4.0, "tokens_per_sec": 100.0, "epoch": 0},
+           {"step": 10, "train_seconds": 4.0, "val_loss": 3.1234, "val_ppl": 22.72, "peak_rss_mib": 900.0},
+           {"step": 10, "final": True, "params_identical_across_ranks": True, "num_processes": 1, "n_params": 1234,
+            "peak_rss_mib": 910.0}]
+
+
+def test_the_model_card_is_a_hub_card_naming_the_real_metrics_and_how_to_load(tmp_path):
+    """README.md next to the final model: huggingface_hub.ModelCard reads its metadata (library, pipeline tag, tags)
+    and its text names the config, the data, the command, the final metrics, the versions and both ways to load."""
+    import transformers
+    from huggingface_hub import ModelCard
+
+    import bilinear_lm
+    from bilinear_lm.training import parse_config, write_model_card
+
+    argv = ["--config", "bilinear_lm/configs/tiny.yaml", "--max_steps", "10", "--output_dir", str(tmp_path)]
+    cfg = parse_config(argv)
+    model = BilinearForCausalLM(BilinearConfig(**SMALL))
+    write_model_card(tmp_path, cfg, model, 1234, RECORDS)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"bilinear-lm", "custom_code"} <= set(card.data.tags)
+    text = card.text
+    for expected in ("| validation loss | 3.1234 (step 10) |", "| validation perplexity | 22.72 |",
+                     "| final training loss | 3.0000 (step 10) |", "| parameters | 1,234 ", "| hidden_size | 16 |",
+                     "Tiny Shakespeare", "a byte-level BPE of 4096 tokens",
+                     f"python train.py --config bilinear_lm/configs/tiny.yaml --max_steps 10 --output_dir {tmp_path}",
+                     "from_pretrained(PATH, trust_remote_code=True)", "import bilinear_lm",
+                     f"bilinear-lm {bilinear_lm.__version__}", f"transformers {transformers.__version__}"):
+        assert expected in text, expected
+
+
+def test_the_closing_summary_line_names_losses_time_throughput_memory_and_where_the_model_is(tmp_path):
+    from bilinear_lm.training import peak_rss_mib, run_summary
+
+    (tmp_path / "checkpoints" / "step_5").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_10").mkdir()
+    line = run_summary(RECORDS, 10, 4.0, 75.0, 10 * 1024, tmp_path)
+    assert "\n" not in line and peak_rss_mib() > 0
+    assert line.startswith("done: 10 steps in 1m15s (4.0s training, 2,560 tokens/s), train loss 3.0000, val loss "
+                           "3.1234 (ppl 22.72, step 10), peak memory ")
+    assert line.endswith(f" GiB RSS; model in {tmp_path}, checkpoints in {tmp_path / 'checkpoints'} (newest step_10)")
+    assert "not evaluated" in run_summary(RECORDS[:2], 10, 4.0, 5.0, 10, tmp_path)

@@ -596,6 +596,21 @@ def test_end_to_end_checkpoint_metrics_plot_and_sample(runs):
     seconds = [r["train_seconds"] for r in records if "loss" in r]
     assert all(0 < a < b for a, b in zip(seconds, seconds[1:]))
     assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
+    # feedback: the process's peak memory in every evaluation record, a closing summary line, a model card
+    evals = [r for r in records if "val_loss" in r]
+    assert all(r["peak_rss_mib"] > 100 for r in evals + [records[-1]])
+    last_line = stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"done: {MAX_STEPS} steps in \S+ \(\S+ training, [\d,]+ tokens/s\), train loss "
+                        rf"{train_losses[MAX_STEPS]:.4f}, val loss {val[MAX_STEPS]:.4f} \(ppl [\d.]+, step {MAX_STEPS}\), "
+                        rf"peak memory [\d.]+ GiB RSS; model in {out}, checkpoints in {out / 'checkpoints'} "
+                        rf"\(newest step_{MAX_STEPS}\)", last_line), last_line
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.pipeline_tag == "text-generation" and card.data.library_name == "transformers"
+    assert f"| validation loss | {val[MAX_STEPS]:.4f} (step {MAX_STEPS}) |" in card.text
+    assert f"| final training loss | {train_losses[MAX_STEPS]:.4f} (step {MAX_STEPS}) |" in card.text
+    assert f"train.py {' '.join(tiny_args(runs.small_text, out))}" in card.text
 
     # the saved model + tokenizer reproduce the logged final validation loss through a second code path
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()

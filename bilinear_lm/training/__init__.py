@@ -6,7 +6,8 @@ and its loaders, checkpoints and the TrainState they carry, metrics, and helpers
     loader        Data, load_data, collate, check_token_ids, micro_batches
     checkpoint    TrainState, find_checkpoint, save_checkpoint, load_data_state, check_config_change,
                   verify_checkpoint, prune_checkpoints, diverged_message
-    metrics       MetricsLog, append_metrics, read_metrics, plot_losses
+    metrics       MetricsLog, append_metrics, read_metrics, plot_losses, peak_rss_mib, run_summary
+    model_card    model_card, write_model_card (OUTPUT_DIR/README.md)
     distributed   together, fail_together, check_launch, unsharded_copy, params_identical_across_ranks,
                   end_training, bf16_cpu_warning
 """
@@ -17,7 +18,8 @@ from .data import DEFAULT_TRAIN_FILE, DataError, build_tokenizer, load_raw_text,
 from .distributed import (bf16_cpu_warning, check_launch, end_training, fail_together, params_identical_across_ranks,
                           together, unsharded_copy)
 from .loader import Data, check_token_ids, collate, load_data, micro_batches
-from .metrics import MetricsLog, append_metrics, plot_losses, read_metrics
+from .metrics import MetricsLog, append_metrics, peak_rss_mib, plot_losses, read_metrics, run_summary
+from .model_card import model_card, write_model_card
 
 __all__ = ["Config", "DataConfig", "TrainConfig", "TrainingInputError", "parse_config", "flat_config",
            "DEFAULT_TRAIN_FILE", "DataError", "build_tokenizer", "load_raw_text", "tokenize_and_pack", "Data",
@@ -25,4 +27,4 @@ __all__ = ["Config", "DataConfig", "TrainConfig", "TrainingInputError", "parse_c
            "save_checkpoint", "load_data_state", "check_config_change", "verify_checkpoint", "prune_checkpoints",
            "diverged_message", "MetricsLog", "append_metrics", "plot_losses", "read_metrics", "together",
            "fail_together", "params_identical_across_ranks", "end_training", "bf16_cpu_warning", "check_launch",
-           "unsharded_copy"]
+           "unsharded_copy", "peak_rss_mib", "run_summary", "model_card", "write_model_card"]
