@@ -31,7 +31,8 @@ from bilinear_lm.training import (Config, Data, DataError, MetricsLog, StopOnSig
                                   TrainState, append_metrics, bf16_cpu_warning, check_launch, check_token_ids,
                                   diverged_message, end_training, flat_config, load_data, load_data_state,
                                   micro_batches, own_output_dir, params_identical_across_ranks, parse_config,
-                                  plot_losses, save_checkpoint, unsharded_copy)
+                                  peak_rss_mib, plot_losses, read_metrics, run_summary, save_checkpoint,
+                                  unsharded_copy, write_model_card)
 from bilinear_lm.utils import eval_mode, keep_freed_memory
 
 
@@ -69,10 +70,13 @@ def build_model_and_optimizer(cfg: Config, accelerator, tokenizer):
 def evaluate(model, val_dl, accelerator, eval_iters: int) -> dict:
     """Mean validation loss (over ranks and the first `eval_iters` batches, 0 = all) and its perplexity."""
     losses = []
-    with torch.no_grad(), eval_mode(model):
+    total = min(eval_iters, len(val_dl)) if eval_iters else len(val_dl)
+    with torch.no_grad(), eval_mode(model), tqdm(total=total, desc="eval", leave=False, dynamic_ncols=True, delay=2,
+                                                 disable=not accelerator.is_local_main_process) as pbar:
         for i, batch in enumerate(val_dl):
             if eval_iters and i >= eval_iters:
                 break
+            pbar.update(1)  # shown when an evaluation takes more than 2 s
             loss = model(**batch).loss
             losses.append(accelerator.gather(loss.detach().float().reshape(1)))  # one batch mean per rank
     val_loss = torch.cat(losses).mean().item()
@@ -134,7 +138,7 @@ def train(cfg: Config, accelerator, model, optimizer, scheduler, data: Data, sta
 
         if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
             record = {"step": state.step, "train_seconds": state.train_seconds,
-                      **evaluate(model, data.val_dl, accelerator, cfg.train.eval_iters)}
+                      **evaluate(model, data.val_dl, accelerator, cfg.train.eval_iters), "peak_rss_mib": peak_rss_mib()}
             metrics.log(record)
             if accelerator.is_local_main_process:
                 pbar.write(f"step {state.step}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.2f}")
@@ -174,7 +178,7 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
     unwrapped = accelerator.unwrap_model(model)
     final = {"step": state.step, "final": True,
              "params_identical_across_ranks": params_identical_across_ranks(accelerator, unwrapped),
-             "num_processes": accelerator.num_processes, "n_params": n_params}
+             "num_processes": accelerator.num_processes, "n_params": n_params, "peak_rss_mib": peak_rss_mib()}
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     out_dir = Path(cfg.train.output_dir)
@@ -193,7 +197,8 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
             print_sample(cfg, unwrapped, data.tokenizer, data.raw, accelerator.device)
         if cfg.train.eval_lm_harness:
             run_harness(unwrapped, data.tokenizer, cfg.train.eval_lm_harness, cfg.train.lm_harness_limit, out_dir)
-        print(f"saved model, tokenizer and generation config to {out_dir}")
+        write_model_card(out_dir, cfg, unwrapped, n_params, read_metrics(metrics.path))
+        print(f"saved model, tokenizer, generation config and model card (README.md) to {out_dir}")
     return final
 
 
@@ -201,11 +206,12 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured by ``argv`` (the command line's arguments); returns the final metrics record.
     Bad input raises TrainingInputError or DataError."""
+    started = time.time()
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     out_dir = Path(cfg.train.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
-        mixed_precision=cfg.train.mixed_precision,  # None: the launcher's (ACCELERATE_MIXED_PRECISION), else no
+        mixed_precision=cfg.train.mixed_precision,  # train.py's, else the launcher's, else the preset's (parse_config)
         log_with=None if cfg.train.report_to == "none" else cfg.train.report_to,
         project_dir=str(out_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
@@ -218,12 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
     # from here SIGTERM / SIGINT stop the run with one line (at a step's end: after a checkpoint); the run owns
     # out_dir (a lock; another run's results refused), `resume` is the checkpoint it continues (docs/training.md)
     with StopOnSignal() as stop, own_output_dir(accelerator, cfg, warn=accelerator.print) as resume:
-        return run(cfg, accelerator, resume, stop)
+        return run(cfg, accelerator, resume, stop, started)
 
 
-def run(cfg: Config, accelerator, resume, stop: StopOnSignal) -> dict:
+def run(cfg: Config, accelerator, resume, stop: StopOnSignal, started: float) -> dict:
     """main's run in its output folder: the data, the model, training, the finish (a stopped run ends after its
-    checkpoint: Stopped)."""
+    checkpoint: Stopped); ``started``: when main began (the closing summary's wall-clock)."""
     out_dir = Path(cfg.train.output_dir)
     data = load_data(cfg, accelerator, resume)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, accelerator, data.tokenizer)
@@ -239,7 +245,7 @@ def run(cfg: Config, accelerator, resume, stop: StopOnSignal) -> dict:
         f"{n_proc} process{'es' if n_proc > 1 else ''} ({accelerator.distributed_type.value}), global batch "
         f"{batch * n_proc * accum} sequences = batch_size {batch} x {n_proc} processes x {accum} accumulation steps "
         f"({batch * n_proc * accum * cfg.data.block_size} tokens per optimizer step), mixed precision "
-        f"{accelerator.mixed_precision}")
+        f"{accelerator.mixed_precision} ({cfg.mixed_precision_from})")
     if data.stream is None:
         model, optimizer, data.train_dl, data.val_dl, scheduler = accelerator.prepare(
             model, optimizer, data.train_dl, data.val_dl, scheduler)
@@ -261,6 +267,10 @@ def run(cfg: Config, accelerator, resume, stop: StopOnSignal) -> dict:
 
     stopped = train(cfg, accelerator, model, optimizer, scheduler, data, state, metrics, stop)
     final = None if stopped else finish(cfg, accelerator, model, data, state, metrics, n_params)
+    if final is not None and accelerator.is_main_process:
+        tokens = state.step * batch * n_proc * accum * cfg.data.block_size
+        print(run_summary(read_metrics(metrics.path), state.step, state.train_seconds, time.time() - started, tokens,
+                          out_dir, torch.cuda.max_memory_allocated() if accelerator.device.type == "cuda" else None))
     del model, optimizer, scheduler, data
     end_training(accelerator)
     if stopped:

@@ -165,7 +165,8 @@ def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tmp
     """A checkpoint as train.py writes it (model + its BPE in one folder): with bilinear_lm imported, or with
     trust_remote_code=True, AutoTokenizer neither asks y/N (stdin closed) nor warns about the model type, and
     round-trips text. (A bare AutoTokenizer.from_pretrained(CKPT) in a process that never imported
-    bilinear_lm asks: transformers 5.23 resolves the model config, remote code, before tokenizer_config.json.)"""
+    bilinear_lm asks on a terminal: transformers 5.23 resolves the model config, remote code, before
+    tokenizer_config.json; without an answer it loads, next test.)"""
     from bilinear_lm import BilinearForCausalLM
 
     text = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", "hello world, a tiny text\n" * 50)))
@@ -180,6 +181,51 @@ def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tmp
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"ROUNDTRIP True {D.EOS_TOKEN}" in out.stdout
     assert "[y/N]" not in out.stdout + out.stderr and "to instantiate a model of type" not in out.stderr
+
+
+def test_the_saved_tokenizer_loads_alone_in_a_process_that_never_imports_bilinear_lm(tmp_path):
+    """A bare AutoTokenizer.from_pretrained(CKPT), no answer to transformers' y/N (stdin closed): it falls back to
+    reading config.json as a plain PreTrainedConfig, which refused the layer type "bilinear" (`layer_types` entries
+    must be in (...)) before it looked at the tokenizer's files; config.json names it "linear_attention" now. A
+    hybrid: its attention layers keep their names."""
+    from bilinear_lm import BilinearConfig, BilinearForCausalLM
+    from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
+
+    text = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", "hello world, a tiny text\n" * 50)))
+    tok = D.build_tokenizer(None, text["train"], vocab_size=280)
+    config = BilinearConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=2, num_heads=2, state_size=4,
+                            rank=4, num_attention_heads=2, layer_types=interleaved_layer_types(2, 2))
+    BilinearForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    code = (f"import sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained("
+            f"{str(tmp_path / 'ckpt')!r})\nassert 'bilinear_lm' not in sys.modules\n"
+            "print('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == 'hello world', len(tok))")
+    out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"ROUNDTRIP True {len(tok)}" in out.stdout
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["layer_types"] == ["linear_attention",
+                                                                                          "full_attention"]
+    assert BilinearConfig.from_pretrained(tmp_path / "ckpt").layer_types == ["bilinear", "full_attention"]
+
+
+def test_bpe_training_shows_the_trainers_progress_when_asked(monkeypatch):
+    """train.py asks on a terminal (the trainer's bars; in a log they are blank lines): the bars count the texts read
+    (`length`), then the pairs and merges."""
+    from datasets import Dataset
+    from tokenizers import trainers
+
+    made, bpe_trainer = [], trainers.BpeTrainer
+
+    def recording(**kwargs):
+        made.append(kwargs)
+        return bpe_trainer(**kwargs)
+
+    monkeypatch.setattr(trainers, "BpeTrainer", recording)
+    texts = [Dataset.from_dict({"text": ["the quick brown fox"] * 30}), Dataset.from_dict({"text": ["jumps"] * 5})]
+    assert len(D.build_tokenizer("bpe", texts, vocab_size=270, show_progress=True)) <= 270
+    D.build_tokenizer("bpe", texts, vocab_size=270)
+    assert [m["show_progress"] for m in made] == [True, False]
 
 
 # ------------------------------------------------------------------------------ formats, cache, streaming

@@ -457,3 +457,18 @@ def test_lora_on_the_transition_weights_trains_and_generates_like_its_merged_mod
         torch.testing.assert_close(logits, merged(ids).logits, rtol=1e-9, atol=1e-9)
         assert (logits - build(tiny_bilinear_config, torch.float64)(ids).logits).abs().max() > 1e-3  # adapter acts
         assert torch.equal(generated, merged.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_labels_outside_the_vocabulary_are_a_one_line_error_and_minus_100_is_ignored(tiny_bilinear_config):
+    """Labels are checked like input ids (torch's cross-entropy says only `IndexError: Target 70 is out of bounds`);
+    -100, the loss's ignore index, passes."""
+    model = build(tiny_bilinear_config)
+    V = tiny_bilinear_config.vocab_size
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=rf"^label {V + 3} at position 4 is outside the model.s vocabulary of {V} ids "
+                                         rf"\(0..{V - 1}\): labels are token ids .* or -100 where no loss is wanted"):
+        model(input_ids=ids, labels=torch.tensor([[1, 2, 3], [-100, V + 3, 6]]))
+    with pytest.raises(ValueError, match=r"^label -5 at position 0 is outside"):
+        model(input_ids=ids, labels=torch.tensor([[-5, 2, 3], [4, 5, 6]]))
+    loss = model(input_ids=ids, labels=torch.tensor([[1, -100, 3], [-100, 5, 6]])).loss
+    assert torch.isfinite(loss)

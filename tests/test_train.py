@@ -345,11 +345,17 @@ def test_without_data_flags_train_py_trains_on_the_shipped_text(tmp_path, capsys
     assert f"vocab 65, {cut // 32} train / {(len(text) - cut) // 32} val blocks of 32" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag, runs_in", [([], "bf16"), (["--mixed_precision", "no"], "no")])
+@pytest.mark.parametrize("flag, runs_in, source", [
+    ([], "bf16", "the launcher's: accelerate launch --mixed_precision or its config file"),
+    (["--config", PRESET], "bf16", "the launcher's: accelerate launch --mixed_precision or its config file, over the "
+                                   "preset's no"),
+    (["--mixed_precision", "no"], "no", "train.py --mixed_precision"),
+], ids=["no-preset", "over-the-preset", "command-line"])
 def test_mixed_precision_is_the_launchers_unless_train_py_is_given_one(small_text, tmp_path, capsys, monkeypatch,
-                                                                       flag, runs_in):
+                                                                       flag, runs_in, source):
     """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: with no
-    --mixed_precision of its own (the preset here sets none) train.py runs in it, and says so; an explicit one wins."""
+    --mixed_precision of its own train.py runs in it, over a preset's (shakespeare-char's "no" used to win), and says
+    which one applied; train.py's own wins."""
     import train
     from accelerate.state import AcceleratorState
 
@@ -366,7 +372,7 @@ def test_mixed_precision_is_the_launchers_unless_train_py_is_given_one(small_tex
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     out = capsys.readouterr().out
-    assert f"tokens per optimizer step), mixed precision {runs_in}\n" in out
+    assert f"tokens per optimizer step), mixed precision {runs_in} ({source})\n" in out
     assert ("--mixed_precision bf16 on a CPU without native bf16" in out) == (runs_in == "bf16")
 
 
@@ -392,6 +398,33 @@ def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatc
     assert calls == [("BilinearForCausalLM", len(AutoTokenizer.from_pretrained(out)), ["lambada_openai", "arc_easy"], 3)]
     assert json.loads((out / "lm_harness.json").read_text()) == {
         t: {"acc": 0.5, "acc_stderr": "N/A"} for t in ("lambada_openai", "arc_easy")}
+
+
+LAUNCHER_NOTICE = re.compile(r"The following values were not passed to `accelerate launch` and had defaults used "
+                             r"instead:\n(\t.*\n)+To avoid this warning .* run `accelerate config`\.\n")
+
+
+def test_the_readmes_command_fails_with_one_line_under_accelerate_launch(tmp_path):
+    """The README's command on a bad input (a missing --train_file), run as it is written: train.py's one `error:`
+    line is all that follows the launcher's notice of its defaults (printed at every launch, before train.py starts),
+    and the exit status is not 0. Without -q Accelerate's launcher re-raised the non-zero exit as a CalledProcessError
+    traceback (12 lines)."""
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"^accelerate launch (.*)train\.py (--config bilinear_lm/configs/tiny\.yaml)$", readme, re.M)
+    assert command, "the README's main command"
+    launcher = shlex.split(command.group(1))
+    args = [*shlex.split(command.group(2)), "--train_file", str(tmp_path / "missing.txt"), "--output_dir",
+            str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "train.py", *args], cwd=REPO,
+                          env={**ENV, "HF_HOME": str(tmp_path / "hf")},  # no accelerate config of this machine's
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    notice = LAUNCHER_NOTICE.match(done.stderr)
+    after = done.stderr[notice.end():] if notice else done.stderr
+    assert after == f"error: training file '{tmp_path / 'missing.txt'}' does not exist (resolved to " \
+                    f"{tmp_path / 'missing.txt'}); check the path\n", done.stderr
 
 
 # ---------------------------------------------------------------- checkpoints you can trust (issue 23 item 4)
@@ -563,6 +596,21 @@ def test_end_to_end_checkpoint_metrics_plot_and_sample(runs):
     seconds = [r["train_seconds"] for r in records if "loss" in r]
     assert all(0 < a < b for a, b in zip(seconds, seconds[1:]))
     assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
+    # feedback: the process's peak memory in every evaluation record, a closing summary line, a model card
+    evals = [r for r in records if "val_loss" in r]
+    assert all(r["peak_rss_mib"] > 100 for r in evals + [records[-1]])
+    last_line = stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"done: {MAX_STEPS} steps in \S+ \(\S+ training, [\d,]+ tokens/s\), train loss "
+                        rf"{train_losses[MAX_STEPS]:.4f}, val loss {val[MAX_STEPS]:.4f} \(ppl [\d.]+, step {MAX_STEPS}\), "
+                        rf"peak memory [\d.]+ GiB RSS; model in {out}, checkpoints in {out / 'checkpoints'} "
+                        rf"\(newest step_{MAX_STEPS}\)", last_line), last_line
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.pipeline_tag == "text-generation" and card.data.library_name == "transformers"
+    assert f"| validation loss | {val[MAX_STEPS]:.4f} (step {MAX_STEPS}) |" in card.text
+    assert f"| final training loss | {train_losses[MAX_STEPS]:.4f} (step {MAX_STEPS}) |" in card.text
+    assert f"train.py {' '.join(tiny_args(runs.small_text, out))}" in card.text
 
     # the saved model + tokenizer reproduce the logged final validation loss through a second code path
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()

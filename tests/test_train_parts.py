@@ -30,6 +30,25 @@ def test_command_line_over_preset_over_dataclass_default(tmp_path):
     assert parse_config([]).train.max_steps == 1000 and parse_config([]).model == {}
 
 
+@pytest.mark.parametrize("command_line, launcher, preset, expected", [
+    ("fp16", "bf16", "no", ("fp16", "train.py --mixed_precision")),
+    (None, "bf16", "no", ("bf16", "the launcher's: accelerate launch --mixed_precision or its config file, over the "
+                                  "preset's no")),
+    (None, "bf16", None, ("bf16", "the launcher's: accelerate launch --mixed_precision or its config file")),
+    (None, "no", "bf16", ("bf16", "the preset's")),  # the launcher's "no" is also its default: not a choice
+    (None, None, "bf16", ("bf16", "the preset's")),
+    (None, "no", None, (None, "the launcher's default")),
+    (None, None, None, (None, "the default")),
+])
+def test_mixed_precision_command_line_then_launcher_then_preset(tmp_path, command_line, launcher, preset, expected):
+    preset_file = tmp_path / "preset.yaml"
+    preset_file.write_text("max_steps: 3\n" + (f"mixed_precision: {preset!r}\n" if preset else ""))
+    argv = ["--config", str(preset_file)] + (["--mixed_precision", command_line] if command_line else [])
+    cfg = parse_config(argv, environ={"ACCELERATE_MIXED_PRECISION": launcher} if launcher else {})
+    assert (cfg.train.mixed_precision, cfg.mixed_precision_from) == expected
+    assert cfg.train.max_steps == 3 and cfg.argv == tuple(argv)
+
+
 @pytest.mark.parametrize("preset_text, message", [
     ("max_steps: many\n", r"preset .*p.yaml: argument --max_steps/--max-steps: invalid int value: 'many'"),
     ("mixed_precision: no\n", r"preset .*p.yaml: argument --mixed_precision.* invalid choice: 'false'"),
@@ -421,10 +440,11 @@ def test_every_option_is_classified_for_resume_and_the_flags_parse():
     from dataclasses import fields
 
     from bilinear_lm.training import DataConfig, TrainConfig
-    from bilinear_lm.training.checkpoint import RESUME_CHANGE_ALLOWED_WITH_FLAG, RESUME_FREE, RESUME_MUST_MATCH
+    from bilinear_lm.training.checkpoint import (RESUME_CHANGE_ALLOWED_WITH_FLAG, RESUME_FREE, RESUME_MUST_MATCH,
+                                                 RESUME_TOKENIZER)
 
     names = [f.name for cls in (DataConfig, TrainConfig) for f in fields(cls)]
-    sets = (RESUME_MUST_MATCH, RESUME_CHANGE_ALLOWED_WITH_FLAG, RESUME_FREE)
+    sets = (RESUME_MUST_MATCH, RESUME_TOKENIZER, RESUME_CHANGE_ALLOWED_WITH_FLAG, RESUME_FREE)
     assert {n: sum(n in s for s in sets) for n in names} == {n: 1 for n in names}
     assert set().union(*sets) == set(names)
     cfg = parse_config(["--save_total_limit", "2", "--allow_config_change"])
@@ -448,14 +468,35 @@ def test_config_check_names_changed_model_options_and_gates_data_changes(tmp_pat
                                                  r"llama, --model.hidden_size 32 -> 48, --model.state_size 48 -> 16\)"):
         check_config_change(tmp_path, parse_config(base + ["--model.hidden_size", "48", "--model.state_size", "16",
                                                            "--model_type", "llama"]))
-    with pytest.raises(TrainingInputError, match=r"\(--block_size 64 -> 32, --tokenizer char -> bpe\).*"
-                                                 r"--allow_config_change"):
-        check_config_change(tmp_path, parse_config(base + ["--block_size", "32", "--tokenizer", "bpe"]))
+    with pytest.raises(TrainingInputError, match=r"\(--block_size 64 -> 32\).*--allow_config_change"):
+        check_config_change(tmp_path, parse_config(base + ["--block_size", "32"]))
     check_config_change(tmp_path, parse_config(base + ["--batch_size", "8", "--allow_config_change"]),
                         warn=warnings.append)
     assert len(warnings) == 1 and "--batch_size 4 -> 8" in warnings[0]
     # the model default is the same value written out: no change
     check_config_change(tmp_path, parse_config(base + ["--model.rms_norm_eps", "1e-5"]))
+
+
+def test_a_resumed_run_keeps_the_checkpoints_tokenizer_and_refuses_another_even_with_allow_config_change(tmp_path):
+    """--bpe_vocab_size 2048 on resuming a 4096 BPE run used to warn "4096 -> 2048" and keep the old tokenizer: a
+    one-line error now, with or without --allow_config_change (the model learned the old tokenizer's ids). A
+    --bpe_vocab_size that trains nothing (the checkpoint's tokenizer is char) passes."""
+    from bilinear_lm.training import check_config_change
+    from bilinear_lm.training.checkpoint import CONFIG_FILE, config_record
+
+    base = ["--config", PRESET, "--tokenizer", "bpe", "--bpe_vocab_size", "4096"]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config_record(parse_config(base))))
+    for extra in ([], ["--allow_config_change"]):
+        with pytest.raises(TrainingInputError, match=rf"^--resume_from_checkpoint {tmp_path}: the tokenizer is the "
+                                                     rf"checkpoint's \(--bpe_vocab_size 4096 -> 2048\): a resumed run "
+                                                     rf"keeps {tmp_path / 'tokenizer'}, .* even with "
+                                                     rf"--allow_config_change; .* start a new --output_dir"):
+            check_config_change(tmp_path, parse_config(base + ["--bpe_vocab_size", "2048"] + extra))
+        with pytest.raises(TrainingInputError, match=r"the tokenizer is the checkpoint's \(--tokenizer bpe -> char\)"):
+            check_config_change(tmp_path, parse_config(base + ["--tokenizer", "char"] + extra))
+    char = ["--config", PRESET, "--tokenizer", "char"]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config_record(parse_config(char))))
+    check_config_change(tmp_path, parse_config(char + ["--bpe_vocab_size", "2048"]))
 
 
 def test_a_checkpoint_from_before_manifests_is_used_with_a_warning(tmp_path):

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..modeling.modeling_bilinear import check_token_ids
 from ..utils import eval_mode
@@ -169,6 +170,11 @@ def token_nll(model, input_ids, mode: str = "streaming", segment_len: int = 512,
     return torch.cat(nlls) if nlls else torch.zeros(0, dtype=torch.float64)
 
 
+def _progress(windows: range, mode: str):
+    """The windows of a protocol, with a progress bar when they take more than 2 s (stderr)."""
+    return tqdm(windows, desc=f"{mode} perplexity", unit="window", leave=False, delay=2, dynamic_ncols=True)
+
+
 @torch.inference_mode()
 def _streaming(model, ids, segment_len: int, allow_kv_cache: bool) -> list[torch.Tensor]:
     if segment_len < 1:
@@ -176,7 +182,7 @@ def _streaming(model, ids, segment_len: int, allow_kv_cache: bool) -> list[torch
     with eval_mode(model):
         nlls, past = [], None
         n_in = ids.numel() - 1  # inputs ids[0:n_in] predict ids[1:n_in+1]
-        for start in range(0, n_in, segment_len):
+        for start in _progress(range(0, n_in, segment_len), "streaming"):
             end = min(start + segment_len, n_in)
             kwargs = {"use_cache": True}
             if past is not None:
@@ -207,7 +213,7 @@ def _strided(model, ids, max_length: int, stride: int) -> list[torch.Tensor]:
     with eval_mode(model):
         seq_len = ids.numel()
         nlls, prev_end = [], 1  # ids[0] (prefix) is never scored
-        for begin in range(0, seq_len, stride):
+        for begin in _progress(range(0, seq_len, stride), "strided"):  # the loop may stop before the bar is full
             end = min(begin + max_length, seq_len)
             if end <= prev_end:
                 break
@@ -228,7 +234,7 @@ def _rolling(model, ids, max_length: int) -> list[torch.Tensor]:
     with eval_mode(model):
         seq_len = ids.numel()
         nlls = []
-        for s in range(1, seq_len, max_length):  # targets ids[s:e]
+        for s in _progress(range(1, seq_len, max_length), "rolling"):  # targets ids[s:e]
             e = min(s + max_length, seq_len)
             begin = max(0, e - 1 - max_length)
             out = model(input_ids=ids[begin : e - 1].unsqueeze(0), use_cache=False)

@@ -7,6 +7,11 @@ MIXER_TYPES = ("cp", "full", "block_diagonal", "rotation", "diagonal", "positive
 RECURRENCE_IMPLS = ("auto", "cpp", "triton", "torch", "reference")  # what dispatch.resolve_impl chooses among
 ACTIVATIONS = ("silu", "gelu", "relu")
 LAYER_TYPES = ("bilinear", "full_attention", "sliding_attention")  # the values of BilinearConfig.layer_types
+# config.json names a bilinear layer "linear_attention", transformers' name for a recurrent layer in `layer_types` (one
+# of the types its PreTrainedConfig accepts): AutoTokenizer.from_pretrained(model_dir) reads config.json, and without
+# this package (or trust_remote_code) it reads it as a plain PreTrainedConfig, which refuses any other name. Read
+# back, either name is a bilinear layer.
+SAVED_LAYER_TYPES = {"bilinear": "linear_attention"}
 
 
 def interleaved_layer_types(num_hidden_layers: int, attention_every: int,
@@ -118,10 +123,21 @@ class BilinearConfig(PreTrainedConfig):
             self.intermediate_size = swiglu_width(self.hidden_size)
         if self.layer_types is None:
             self.layer_types = ["bilinear"] * self.num_hidden_layers
+        elif isinstance(self.layer_types, (list, tuple)):  # as config.json names them (SAVED_LAYER_TYPES)
+            saved = {name: kind for kind, name in SAVED_LAYER_TYPES.items()}
+            self.layer_types = [saved.get(kind, kind) for kind in self.layer_types]
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self._validate()
         super().__post_init__(**kwargs)
+
+    def to_dict(self) -> dict:
+        """transformers' serialization (config.json, `to_json_string`), a bilinear layer's type saved under its
+        transformers name (SAVED_LAYER_TYPES)."""
+        output = super().to_dict()
+        if isinstance(output.get("layer_types"), list):
+            output["layer_types"] = [SAVED_LAYER_TYPES.get(kind, kind) for kind in output["layer_types"]]
+        return output
 
     def validate(self):
         """transformers' ``@strict`` validators (``save_pretrained`` runs them) but ``validate_layer_type``, whose

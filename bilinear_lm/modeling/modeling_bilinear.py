@@ -409,15 +409,17 @@ def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
     return reset, torch.where(last >= 0, last_is_eos, before)
 
 
-def check_token_ids(ids: torch.Tensor, vocab_size: int, fix: str, where: str | None = None) -> None:
+def check_token_ids(ids: torch.Tensor, vocab_size: int, fix: str, where: str | None = None,
+                    what: str = "token id", ignore: int | None = None) -> None:
     """The one vocabulary check (model, perplexity, training data): raise a ValueError naming the first id of ``ids``
-    outside ``[0, vocab_size)``, where it is (``where``, else its position in ``ids`` flattened) and ``fix`` (torch's
-    ``IndexError: index out of range in self`` names neither)."""
+    outside ``[0, vocab_size)`` (but ``ignore``), where it is (``where``, else its position in ``ids`` flattened) and
+    ``fix`` (torch's ``IndexError: index out of range in self`` names neither)."""
     flat = ids.reshape(-1)
-    bad = ((flat < 0) | (flat >= vocab_size)).nonzero()
+    outside = (flat < 0) | (flat >= vocab_size)
+    bad = (outside & (flat != ignore) if ignore is not None else outside).nonzero()
     if bad.numel():
         position = int(bad[0, 0])
-        raise ValueError(f"token id {int(flat[position])} {where or f'at position {position}'} is outside the model's "
+        raise ValueError(f"{what} {int(flat[position])} {where or f'at position {position}'} is outside the model's "
                          f"vocabulary of {vocab_size} ids (0..{vocab_size - 1}): {fix}")
 
 
@@ -429,6 +431,14 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
                          f"{tuple(input_ids.shape)}; pass at least one row of at least one token")
     check_token_ids(input_ids, vocab_size, "the tokenizer does not match the model: use the tokenizer saved with the "
                                            "checkpoint, or build the model with a vocab_size of len(tokenizer)")
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise a ValueError naming the first label outside ``[0, vocab_size)`` that is not -100 (the loss's
+    ``ignore_index``): torch's cross-entropy says only ``IndexError: Target 12 is out of bounds``."""
+    check_token_ids(labels, vocab_size, what="label", ignore=-100,
+                    fix="labels are token ids of the model's vocabulary (the input ids: the model shifts them), or -100 "
+                        "where no loss is wanted; use the tokenizer saved with the checkpoint")
 
 
 def check_attention_mask(attention_mask: torch.Tensor, shape: tuple[int, int], cached: int,
@@ -689,6 +699,8 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         logits = linear(self.lm_head, hidden_states[:, keep, :])
         loss = None
         if labels is not None:
+            if not torch.compiler.is_compiling():  # the check reads the labels on the host: not inside a graph
+                check_labels(labels, self.config.vocab_size)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return BilinearCausalLMOutput(
             loss=loss,

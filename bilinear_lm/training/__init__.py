@@ -8,7 +8,8 @@ and its loaders, checkpoints and the TrainState they carry, metrics, and helpers
                   check_config_change, verify_checkpoint, prune_checkpoints, diverged_message
     output_dir    own_output_dir (the lock on --output_dir, the checkpoint to resume, another run's results refused)
     stopping      StopOnSignal, Stopped (SIGTERM / SIGINT: a checkpoint at the next step, then exit 128 + signal)
-    metrics       MetricsLog, append_metrics, read_metrics, plot_losses
+    metrics       MetricsLog, append_metrics, read_metrics, plot_losses, peak_rss_mib, run_summary
+    model_card    model_card, write_model_card (OUTPUT_DIR/README.md)
     distributed   together, fail_together, check_launch, unsharded_copy, params_identical_across_ranks,
                   end_training, bf16_cpu_warning
 """
@@ -19,7 +20,8 @@ from .data import DEFAULT_TRAIN_FILE, DataError, build_tokenizer, load_raw_text,
 from .distributed import (bf16_cpu_warning, check_launch, end_training, fail_together, params_identical_across_ranks,
                           together, unsharded_copy)
 from .loader import Data, check_token_ids, collate, load_data, micro_batches
-from .metrics import MetricsLog, append_metrics, plot_losses, read_metrics
+from .metrics import MetricsLog, append_metrics, peak_rss_mib, plot_losses, read_metrics, run_summary
+from .model_card import model_card, write_model_card
 from .output_dir import own_output_dir
 from .stopping import StopOnSignal, Stopped
 
@@ -28,5 +30,6 @@ __all__ = ["Config", "DataConfig", "TrainConfig", "TrainingInputError", "parse_c
            "load_data", "collate", "check_token_ids", "micro_batches", "TrainState", "find_checkpoint",
            "latest_checkpoint", "save_checkpoint", "load_data_state", "check_config_change", "verify_checkpoint",
            "prune_checkpoints", "diverged_message", "MetricsLog", "append_metrics", "plot_losses", "read_metrics",
-           "together", "fail_together", "params_identical_across_ranks", "end_training", "bf16_cpu_warning",
-           "check_launch", "unsharded_copy", "own_output_dir", "StopOnSignal", "Stopped"]
+           "peak_rss_mib", "run_summary", "model_card", "write_model_card", "together", "fail_together",
+           "params_identical_across_ranks", "end_training", "bf16_cpu_warning", "check_launch", "unsharded_copy",
+           "own_output_dir", "StopOnSignal", "Stopped"]

@@ -160,6 +160,9 @@ def diverged_message(cfg: Config, step: int, what: str) -> str:
 # What a resumed run may change, by field of DataConfig and TrainConfig (a test checks that every field is in exactly
 # one of the sets, so a new option has to be placed):
 #   RESUME_MUST_MATCH      the model: the checkpoint's weights and optimizer state have its shapes. Always an error.
+#   RESUME_TOKENIZER       the tokenizer: a resumed run reads the checkpoint's (CHECKPOINT/tokenizer), whose token ids
+#                          its embeddings learned; a new one would give them other tokens. Always an error (a
+#                          --bpe_vocab_size only when the checkpoint's tokenizer is a trained BPE).
 #   RESUME_CHANGE_ALLOWED_WITH_FLAG   the data, its batching and the optimization: the run would not continue the
 #                          checkpoint's (another data position, another tokenization, hyperparameters the restored
 #                          optimizer and scheduler partly override). An error unless --allow_config_change.
@@ -169,9 +172,10 @@ def diverged_message(cfg: Config, step: int, what: str) -> str:
 #                          run writes, and the resume and overwrite flags themselves. Never checked.
 # The `--model.KEY`s all must match but for MODEL_RUNTIME_KEYS (how the same weights are computed, not what they are).
 RESUME_MUST_MATCH = {"model_type"}
+RESUME_TOKENIZER = {"tokenizer", "bpe_vocab_size"}
 RESUME_CHANGE_ALLOWED_WITH_FLAG = {
     "dataset", "dataset_config", "train_file", "validation_file", "text_column", "val_fraction", "add_eos",
-    "tokenizer", "bpe_vocab_size", "block_size", "streaming", "batch_size", "gradient_accumulation_steps", "seed",
+    "block_size", "streaming", "batch_size", "gradient_accumulation_steps", "seed",
     "learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"}
 RESUME_FREE = {
     "config", "max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "save_total_limit",
@@ -191,9 +195,9 @@ def _show(value) -> str:
 
 
 def check_config_change(checkpoint: Path, cfg: Config, warn: Callable[[str], None] = print) -> None:
-    """Compare the resuming run's configuration with the one saved in `checkpoint`: a changed model option is a
-    one-line TrainingInputError naming each option and both values; a changed data / batching / optimization option
-    is one too unless --allow_config_change (then a warning). Checkpoints from before the config was saved pass with
+    """Compare the resuming run's configuration with the one saved in `checkpoint`: a changed model or tokenizer
+    option is a one-line TrainingInputError naming each option and both values; a changed data / batching /
+    optimization option is one too unless --allow_config_change (then a warning). Checkpoints from before the config was saved pass with
     a warning."""
     if not (checkpoint / CONFIG_FILE).exists():
         warn(f"warning: {checkpoint} has no {CONFIG_FILE} (saved before checkpoints recorded their configuration): "
@@ -223,6 +227,13 @@ def check_config_change(checkpoint: Path, cfg: Config, warn: Callable[[str], Non
         raise TrainingInputError(f"--resume_from_checkpoint {checkpoint}: the model differs from the checkpoint's "
                                  f"({', '.join(model_changes)}): resume with the checkpoint's values or start a new "
                                  f"--output_dir")
+    trained_bpe = old_flat.get("tokenizer") in (None, "", "bpe")
+    tokenizer_changes = changes(RESUME_TOKENIZER if trained_bpe else RESUME_TOKENIZER - {"bpe_vocab_size"})
+    if tokenizer_changes:
+        raise TrainingInputError(f"--resume_from_checkpoint {checkpoint}: the tokenizer is the checkpoint's "
+                                 f"({', '.join(tokenizer_changes)}): a resumed run keeps {checkpoint / 'tokenizer'}, "
+                                 f"whose token ids the model learned, even with --allow_config_change; resume with "
+                                 f"the checkpoint's values, or start a new --output_dir for another tokenizer")
     other_changes = changes(RESUME_CHANGE_ALLOWED_WITH_FLAG)
     if other_changes and not cfg.train.allow_config_change:
         raise TrainingInputError(f"--resume_from_checkpoint {checkpoint}: the data or optimization differs from the "
@@ -255,7 +266,11 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, 
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
+    hook = accelerator.register_save_state_pre_hook(drop_tied_copies)
+    try:
+        accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
+    finally:
+        hook.remove()
     if data_state is not None:
         (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
     accelerator.wait_for_everyone()
@@ -276,6 +291,25 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, 
             prune_checkpoints(output_dir, total_limit, keep=final)
     accelerator.wait_for_everyone()
     return final
+
+
+def drop_tied_copies(models, weights, _output_dir) -> None:
+    """An `accelerator.save_state` pre-hook: leave each model's tied copies out of the state dict it saves, as
+    transformers' save_pretrained does (the weights a model declares tied, `all_tied_weights_keys`: e.g. the LM head
+    of tied embeddings). Accelerate's saver otherwise drops them itself, with a warning at every checkpoint ("Removed
+    shared tensor {'lm_head.weight'} ... check that you don't receive any warning while reloading"): it cannot tell a
+    declared tie from an accidental alias. Its loader (safetensors' `load_model`) accepts the missing alias of a
+    tensor it loads, and the model stays tied. `weights` holds the state dicts of the models Accelerate saves as
+    state dicts (none under FSDP or DeepSpeed, which save their own way)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    for model, state_dict in zip(models, weights):
+        tied = getattr(extract_model_from_parallel(model), "all_tied_weights_keys", None) or {}
+        for name in list(state_dict):
+            prefix = next((name[:-len(t)] for t in tied if name == t or name.endswith("." + t)), None)
+            source = None if prefix is None else state_dict.get(prefix + tied[name[len(prefix):]])
+            if source is not None and source.data_ptr() == state_dict[name].data_ptr():  # still one tensor
+                del state_dict[name]
 
 
 def prune_checkpoints(output_dir: str, total_limit: int, keep: Path) -> list[Path]:

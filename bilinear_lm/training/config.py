@@ -12,6 +12,7 @@ the command line written down: every `key: value` is read as `--key=value`, `mod
 import difflib
 import json
 import logging
+import os
 import re
 import types
 import typing
@@ -98,7 +99,7 @@ class TrainConfig:
     grad_clip: float = HfArg(default=1.0, help="gradient norm clip (0 disables)")
     mixed_precision: Literal["no", "bf16", "fp16"] | None = HfArg(
         default=None, help="autocast precision; default: the launcher's (`accelerate launch --mixed_precision` or its "
-                           "config file), else no")
+                           "config file) unless no, else the preset's, else no")
     seed: int = HfArg(default=1337, help="initialization, data order and sampling seed")
     output_dir: str = HfArg(default="out", help="metrics, checkpoints, loss plot and the final model; one live run "
                             "at a time (a lock)")
@@ -139,11 +140,14 @@ class TrainConfig:
 
 class Config(NamedTuple):
     """A training run's configuration: `data`, `train` and `model` (BilinearConfig overrides; the baselines are
-    sized from them)."""
+    sized from them); which setting chose `train.mixed_precision` (`resolve_mixed_precision`), and the command line's
+    arguments it was parsed from."""
 
     data: DataConfig
     train: TrainConfig
     model: dict
+    mixed_precision_from: str = "the default"
+    argv: tuple = ()
 
 
 def model_key_types() -> dict[str, type]:
@@ -246,19 +250,40 @@ def preset_arguments(path: str) -> list[str]:
             + [f"{MODEL_PREFIX}{key}={as_text(value)}" for key, value in model.items() if value is not None])
 
 
-def parse_config(argv: list[str]) -> Config:
+def parse_config(argv: list[str], environ=None) -> Config:
     """The dataclass defaults <- the preset of `--config` <- the other command-line arguments (`--help` prints them
-    all and exits). Raises TrainingInputError for unknown keys and values of the wrong type, naming the key."""
+    all and exits); `--mixed_precision` as `resolve_mixed_precision` says, the launcher's read from ``environ``
+    (default os.environ). Raises TrainingInputError for unknown keys and values of the wrong type, naming the key."""
     parser = ConfigParser()
-    cfg = parser.parse(list(argv))
-    if cfg.train.config is None:
-        return cfg
-    preset = preset_arguments(cfg.train.config)
-    try:
-        parser.parse(preset)
-    except TrainingInputError as err:
-        raise TrainingInputError(f"preset {cfg.train.config}: {err}") from None
-    return parser.parse(preset + list(argv))  # the last value of a key wins: the command line's
+    cfg = command_line = parser.parse(list(argv))
+    preset_precision = None
+    if cfg.train.config is not None:
+        preset = preset_arguments(cfg.train.config)
+        try:
+            preset_precision = parser.parse(preset).train.mixed_precision
+        except TrainingInputError as err:
+            raise TrainingInputError(f"preset {cfg.train.config}: {err}") from None
+        cfg = parser.parse(preset + list(argv))  # the last value of a key wins: the command line's
+    cfg.train.mixed_precision, source = resolve_mixed_precision(
+        command_line.train.mixed_precision, os.environ if environ is None else environ, preset_precision)
+    return cfg._replace(mixed_precision_from=source, argv=tuple(argv))
+
+
+def resolve_mixed_precision(command_line: str | None, environ, preset: str | None) -> tuple[str | None, str]:
+    """The autocast precision (None: Accelerate's default, no) and where it came from: train.py's --mixed_precision,
+    else the launcher's (`accelerate launch --mixed_precision` or its config file, which it passes on as
+    ACCELERATE_MIXED_PRECISION), else the preset's. The launcher's `no` does not override a preset: the launcher sets
+    `no` whenever neither its flag nor its config file sets a precision, so it cannot tell a choice from its default;
+    train.py --mixed_precision no can."""
+    launcher = environ.get("ACCELERATE_MIXED_PRECISION") or None
+    if command_line is not None:
+        return command_line, "train.py --mixed_precision"
+    if launcher not in (None, "no"):
+        over = f", over the preset's {preset}" if preset not in (None, launcher) else ""
+        return launcher, f"the launcher's: accelerate launch --mixed_precision or its config file{over}"
+    if preset is not None:
+        return preset, "the preset's"
+    return None, "the default" if launcher is None else "the launcher's default"
 
 
 def flat_config(cfg: Config) -> dict:

@@ -306,25 +306,29 @@ def _iter_text(texts: Dataset | IterableDataset | list, batch: int = 1000) -> It
             yield rows["text"]
 
 
-def train_bpe_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int):
+def train_bpe_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, show_progress: bool = False,
+                        length: int | None = None):
     """A byte-level BPE (lossless, no prefix space) trained with `tokenizers` on ``texts`` (strings, or batches
-    of strings), as a `PreTrainedTokenizerFast` whose BOS, EOS and padding token is ``<|endoftext|>``."""
+    of strings), as a `PreTrainedTokenizerFast` whose BOS, EOS and padding token is ``<|endoftext|>``. With
+    ``show_progress`` the trainer draws its progress bars (on a terminal: reading ``length`` texts, counting pairs,
+    merging)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
-def build_tokenizer(spec: str | None, train_text: Dataset | IterableDataset | list, vocab_size: int = 8192):
+def build_tokenizer(spec: str | None, train_text: Dataset | IterableDataset | list, vocab_size: int = 8192,
+                    show_progress: bool = False):
     """`char` -> character vocabulary of the text (a dataset, or a list of them); None/"bpe" -> byte-level BPE
-    trained with `tokenizers` on it (one pass, streamed); anything else -> AutoTokenizer.from_pretrained(spec)
-    (local directory or hub name)."""
+    trained with `tokenizers` on it (one pass, streamed; ``show_progress``: the trainer's progress bars);
+    anything else -> AutoTokenizer.from_pretrained(spec) (local directory or hub name)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -335,7 +339,9 @@ def build_tokenizer(spec: str | None, train_text: Dataset | IterableDataset | li
         tok.decoder = decoders.Fuse()
         return PreTrainedTokenizerFast(tokenizer_object=tok)
     if spec in (None, "", "bpe"):
-        return train_bpe_tokenizer(_iter_text(train_text), vocab_size)
+        rows = sum(len(ds) for ds in (train_text if isinstance(train_text, list) else [train_text])
+                   if isinstance(ds, Dataset)) or None  # the progress bar's total (a stream's is not known)
+        return train_bpe_tokenizer(_iter_text(train_text), vocab_size, show_progress, length=rows)
     looks_local = os.sep in spec or spec.startswith(".") or Path(spec).exists()
     if looks_local and not Path(spec).is_dir():
         raise DataError(

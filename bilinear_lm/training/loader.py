@@ -3,6 +3,7 @@
 loop reads, epoch after epoch (`micro_batches`)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,11 @@ def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
         if resume is None and accelerator.is_main_process:
             # a char vocabulary covers every split (like nanoGPT); a BPE is trained on the training text only
             tok_text = list(raw.values()) if cfg.data.tokenizer == "char" else raw["train"]
-            build_tokenizer(cfg.data.tokenizer, tok_text, cfg.data.bpe_vocab_size).save_pretrained(tok_dir)
+            if cfg.data.tokenizer == "bpe":
+                print(f"training a byte-level BPE of {cfg.data.bpe_vocab_size} tokens on the training text", flush=True)
+            # the trainer's progress bars on a terminal (elsewhere they are blank lines)
+            build_tokenizer(cfg.data.tokenizer, tok_text, cfg.data.bpe_vocab_size,
+                            show_progress=sys.stderr.isatty()).save_pretrained(tok_dir)
         return AutoTokenizer.from_pretrained(tok_dir)
 
     tokenizer = together(accelerator, tokenizer_files, "building the tokenizer", main_first=True)

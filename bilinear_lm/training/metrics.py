@@ -1,7 +1,10 @@
-"""Training metrics: OUTPUT_DIR/metrics.jsonl (one JSON record per line) and its loss plot."""
+"""Training metrics: OUTPUT_DIR/metrics.jsonl (one JSON record per line), its loss plot, this process's peak memory
+and the closing summary line of a run."""
 from __future__ import annotations
 
 import json
+import resource
+import sys
 from pathlib import Path
 
 
@@ -62,3 +65,36 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (`getrusage(RUSAGE_SELF).ru_maxrss`), in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10, 1)  # bytes on macOS, KiB elsewhere
+
+
+def last_value(records: list[dict], key: str) -> dict | None:
+    """The last record that has ``key``."""
+    return next((r for r in reversed(records) if key in r), None)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def run_summary(records: list[dict], step: int, train_seconds: float, wall_seconds: float, tokens: int,
+                out_dir: Path, device_peak_bytes: int | None = None) -> str:
+    """The closing line of a run: steps and time, tokens/s, the final training and validation loss (from
+    metrics.jsonl's ``records``), peak memory, and where the model and checkpoints are."""
+    train, val = last_value(records, "loss"), last_value(records, "val_loss")
+    losses = [f"train loss {train['loss']:.4f}" if train else "no train loss logged",
+              f"val loss {val['val_loss']:.4f} (ppl {val['val_ppl']:.2f}, step {val['step']})" if val
+              else "not evaluated (--eval_interval 0)"]
+    memory = f"peak memory {peak_rss_mib() / 1024:.2f} GiB RSS" + (
+        f", {device_peak_bytes / 2 ** 30:.2f} GiB on the GPU" if device_peak_bytes else "")
+    checkpoints = sorted((Path(out_dir) / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    where = f"model in {out_dir}" + (f", checkpoints in {Path(out_dir) / 'checkpoints'} (newest {checkpoints[-1].name})"
+                                     if checkpoints else "")
+    return (f"done: {step} steps in {_duration(wall_seconds)} ({_duration(train_seconds)} training, "
+            f"{tokens / max(train_seconds, 1e-9):,.0f} tokens/s), {', '.join(losses)}, {memory}; {where}")

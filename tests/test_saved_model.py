@@ -1,0 +1,100 @@
+"""What train.py saves besides metrics, read the way others read it: checkpoints of tied embeddings (saved without
+Accelerate's warning, reloaded tied), the model card (README.md, read by huggingface_hub) and the closing summary."""
+import logging
+
+import torch
+
+from bilinear_lm import BilinearConfig, BilinearForCausalLM
+
+SMALL = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_heads=2, state_size=4, rank=4)
+
+
+def test_a_checkpoint_of_tied_embeddings_saves_without_a_warning_and_reloads_tied(tmp_path, caplog, capsys):
+    """Accelerate's save_state warned "Removed shared tensor {'lm_head.weight'} ... check that you don't receive any
+    warning while reloading" at every checkpoint: it drops every alias of a tensor it is given, and was given the
+    state dict with both names of the tied weight. save_checkpoint gives it the state dict transformers would save
+    (the tied copies the model declares, `all_tied_weights_keys`, left out); the reloaded model is tied again and
+    equal."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from bilinear_lm.training import TrainState, save_checkpoint
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = accelerator.prepare(BilinearForCausalLM(BilinearConfig(**SMALL)))
+        with caplog.at_level(logging.INFO):
+            save_checkpoint(accelerator, str(tmp_path), TrainState(step=1), _NoTokenizer())
+        printed = capsys.readouterr()
+        assert "shared tensor" not in caplog.text + printed.out + printed.err
+        from safetensors.torch import load_file
+
+        saved = load_file(tmp_path / "checkpoints" / "step_1" / "model.safetensors")
+        assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+
+        torch.manual_seed(1)
+        other = BilinearForCausalLM(BilinearConfig(**SMALL))
+        assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
+        accelerator._models = []
+        other = accelerator.prepare(other)
+        with caplog.at_level(logging.WARNING):
+            accelerator.load_state(str(tmp_path / "checkpoints" / "step_1"))
+        assert "missing" not in caplog.text.lower()
+        assert other.lm_head.weight is other.model.embed_tokens.weight  # still tied
+        for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+            assert torch.equal(a, b), name
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+class _NoTokenizer:
+    def save_pretrained(self, path):
+        path.mkdir(parents=True, exist_ok=True)
+
+
+RECORDS = [{"step": 5, "loss": 3.5, "lr": 1e-3, "train_seconds": 2.0, "tokens_per_sec": 100.0, "epoch": 0},
+           {"step": 10, "loss": 3.0, "lr": 1e-3, "train_seconds": 4.0, "tokens_per_sec": 100.0, "epoch": 0},
+           {"step": 10, "train_seconds": 4.0, "val_loss": 3.1234, "val_ppl": 22.72, "peak_rss_mib": 900.0},
+           {"step": 10, "final": True, "params_identical_across_ranks": True, "num_processes": 1, "n_params": 1234,
+            "peak_rss_mib": 910.0}]
+
+
+def test_the_model_card_is_a_hub_card_naming_the_real_metrics_and_how_to_load(tmp_path):
+    """README.md next to the final model: huggingface_hub.ModelCard reads its metadata (library, pipeline tag, tags)
+    and its text names the config, the data, the command, the final metrics, the versions and both ways to load."""
+    import transformers
+    from huggingface_hub import ModelCard
+
+    import bilinear_lm
+    from bilinear_lm.training import parse_config, write_model_card
+
+    argv = ["--config", "bilinear_lm/configs/tiny.yaml", "--max_steps", "10", "--output_dir", str(tmp_path)]
+    cfg = parse_config(argv)
+    model = BilinearForCausalLM(BilinearConfig(**SMALL))
+    write_model_card(tmp_path, cfg, model, 1234, RECORDS)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"bilinear-lm", "custom_code"} <= set(card.data.tags)
+    text = card.text
+    for expected in ("| validation loss | 3.1234 (step 10) |", "| validation perplexity | 22.72 |",
+                     "| final training loss | 3.0000 (step 10) |", "| parameters | 1,234 ", "| hidden_size | 16 |",
+                     "Tiny Shakespeare", "a byte-level BPE of 4096 tokens",
+                     f"python train.py --config bilinear_lm/configs/tiny.yaml --max_steps 10 --output_dir {tmp_path}",
+                     "from_pretrained(PATH, trust_remote_code=True)", "import bilinear_lm",
+                     f"bilinear-lm {bilinear_lm.__version__}", f"transformers {transformers.__version__}"):
+        assert expected in text, expected
+
+
+def test_the_closing_summary_line_names_losses_time_throughput_memory_and_where_the_model_is(tmp_path):
+    from bilinear_lm.training import peak_rss_mib, run_summary
+
+    (tmp_path / "checkpoints" / "step_5").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_10").mkdir()
+    line = run_summary(RECORDS, 10, 4.0, 75.0, 10 * 1024, tmp_path)
+    assert "\n" not in line and peak_rss_mib() > 0
+    assert line.startswith("done: 10 steps in 1m15s (4.0s training, 2,560 tokens/s), train loss 3.0000, val loss "
+                           "3.1234 (ppl 22.72, step 10), peak memory ")
+    assert line.endswith(f" GiB RSS; model in {tmp_path}, checkpoints in {tmp_path / 'checkpoints'} (newest step_10)")
+    assert "not evaluated" in run_summary(RECORDS[:2], 10, 4.0, 5.0, 10, tmp_path)
