@@ -27,3 +27,15 @@ def tiny_bilinear_config():
         vocab_size=67, hidden_size=24, num_hidden_layers=2, num_heads=3, state_size=5, rank=7,
         intermediate_size=40, norm_chunk_size=4,
     )
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """The environment's contents as before each test: datasets' multiprocess ``map`` replaces ``os.environ`` with a
+    copy (arrow_dataset.py, ``os.environ = prev_env``), so monkeypatch's undo can reach the old object only and leave
+    a variable a test set (ACCELERATE_MIXED_PRECISION=bf16 leaked into later in-process runs)."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
