@@ -215,7 +215,8 @@ def cpu_name() -> str:
 
 def _log_result(r: dict, log) -> None:
     log(f"mqar {r['point']} {r['model']} lr {r['lr']:.3g} seed {r['seed']}: valid {r['valid_acc']:.3f} test "
-        f"{r['test_acc']:.3f} ({r['stop']} after {r['epochs_run']} epochs); cost {r['steps']} steps, "
+        f"{r['test_acc']:.3f} ({'target reached after' if r['stop'] == 'target' else 'target not reached in'} "
+        f"{r['epochs_run']} epochs); cost {r['steps']} steps, "
         f"{r['examples_seen']:,} examples, {r['seconds']:.0f} s ({r['s_per_step']:.3f} s/step training, "
         f"{r['cpu_s_per_step']:.3f} s of process CPU time) on {r['device']}")
 
