@@ -1,155 +1,211 @@
-"""MQAR data against a per-example loop, the sweep CLI, and query accuracy against a hand count."""
+"""MQAR by Zoology's protocol: the data against a per-example check, the answer-only loss against the full logits,
+early stopping, the lr sweep, and the CLI end to end on a tiny setting."""
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bilinear_lm.probes import recall
-from bilinear_lm.probes.recall import (IGNORE, RECALL_MODELS, RecallConfig, held_out_set, mqar, query_accuracy,
-                                       recall_model, train_batch)
+from bilinear_lm.probes.recall import (IGNORE, POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, answer_accuracy,
+                                       answer_logits, best_run, mqar, parse_point, recall_data, recall_model,
+                                       run_recall, sweep_lrs, zoology_batch_size)
 from bilinear_lm.probes.report import recall_table
 
+TINY = dict(vocab_size=32, seq_len=16, num_pairs=2, train_examples=24, valid_examples=6, test_examples=6,
+            batch_size=8, hidden_size=16, num_heads=2, state_size=4, num_layers=2)
+HYBRID = {"layer_types": ["bilinear", "full_attention"], "num_attention_heads": 2, "num_key_value_heads": 2}
 
-def test_mqar_labels_are_the_values_of_the_queried_keys():
-    tokens, labels = mqar(50, 40, 6, 64, torch.Generator().manual_seed(0))
+
+def test_mqar_pairs_then_each_key_queried_once_for_its_value():
+    n, length, pairs, vocab = 200, 40, 6, 64
+    tokens, labels = mqar(n, length, pairs, vocab, torch.Generator().manual_seed(0))
+    assert tokens.shape == labels.shape == (n, length) and tokens.dtype == labels.dtype == torch.long
     for x, y in zip(tokens.tolist(), labels.tolist()):
-        pairs = dict(zip(x[0:12:2], x[1:12:2]))
-        assert len(pairs) == 6 and all(1 <= k < 32 <= v < 64 for k, v in pairs.items())  # distinct keys, halves
-        asked = [(t, label) for t, label in enumerate(y) if label != IGNORE]
-        assert sorted(x[t] for t, _ in asked) == sorted(pairs)  # every key asked once, after the pairs
-        assert all(t >= 12 and label == pairs[x[t]] for t, label in asked)
-        assert all(x[t] == 0 for t in range(12, 40) if y[t] == IGNORE)
-    again, _ = mqar(50, 40, 6, 64, torch.Generator().manual_seed(0))
-    assert torch.equal(again, tokens)
+        keys, values = x[0:2 * pairs:2], x[1:2 * pairs:2]
+        assert len(set(keys)) == pairs and len(set(values)) == pairs  # distinct keys, distinct values
+        assert all(1 <= k < vocab // 2 <= v < vocab for k, v in zip(keys, values))  # lower half, upper half
+        value_of = dict(zip(keys, values))
+        asked = [t for t, label in enumerate(y) if label != IGNORE]
+        assert sorted(x[t] for t in asked) == sorted(keys)  # every key queried once
+        assert all(t >= 2 * pairs and (t - 2 * pairs) % 2 == 0 for t in asked)  # after the pairs, at even offsets
+        assert all(y[t] == value_of[x[t]] for t in asked)  # the answer: the value paired with that key earlier
+        assert all(x[t] == 0 for t in range(2 * pairs, length) if t not in asked)  # filler
+        assert all(label == IGNORE for t, label in enumerate(y) if t not in asked)  # answer-only labels
+    again = mqar(n, length, pairs, vocab, torch.Generator().manual_seed(0))
+    other = mqar(n, length, pairs, vocab, torch.Generator().manual_seed(1))
+    assert torch.equal(again[0], tokens) and torch.equal(again[1], labels)  # determined by the seed
+    assert not torch.equal(other[0], tokens)
 
 
-def test_dense_training_sequences_query_every_position_after_the_pairs_and_the_test_set_stays_plain():
-    config = RecallConfig(vocab_size=64, seq_len=40, num_pairs=6, batch_size=400, dense_fraction=0.5, test_size=50)
-    tokens, labels = train_batch(config, torch.Generator().manual_seed(0))
-    dense = 0
-    for x, y in zip(tokens.tolist(), labels.tolist()):
-        pairs = dict(zip(x[0:12:2], x[1:12:2]))
-        asked = [(t, label) for t, label in enumerate(y) if label != IGNORE]
-        assert all(t >= 12 and label == pairs[x[t]] for t, label in asked)  # every answer is its key's value
-        assert set(x[t] for t, _ in asked) == set(pairs)  # every key asked at least once
-        if len(asked) == 40 - 12:  # dense: a query at every position after the pairs
-            dense += 1
-        else:  # plain: each key once, token 0 elsewhere
-            assert len(asked) == 6 and all(x[t] == 0 for t in range(12, 40) if y[t] == IGNORE)
-    assert 160 < dense < 240  # about half of 400
-    all_dense = train_batch(dataclasses.replace(config, dense_fraction=1.0), torch.Generator().manual_seed(0))[1]
-    assert ((all_dense[:, 12:] != IGNORE).all() and (all_dense[:, :12] == IGNORE).all())
-    plain = train_batch(dataclasses.replace(config, dense_fraction=0.0), torch.Generator().manual_seed(0))
-    assert all(torch.equal(a, b) for a, b in zip(plain, mqar(400, 40, 6, 64, torch.Generator().manual_seed(0))))
-    # the held-out set is plain MQAR, the same with or without dense training
-    test = held_out_set(config, seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(test, held_out_set(dataclasses.replace(config, dense_fraction=0.0),
-                                                                     seed=3)))
-    assert ((test[1] != IGNORE).sum(1) == 6).all()
+def test_query_gaps_follow_the_power_law():
+    """Zoology's p(gap) ~ (gap + 1) ** -0.99, drawn without replacement: the shortest gaps are the likeliest."""
+    _, labels = mqar(4000, 64, 4, 8192, torch.Generator().manual_seed(0))
+    gaps = ((labels != IGNORE).nonzero()[:, 1] - 8) // 2
+    counts = torch.bincount(gaps, minlength=28).tolist()
+    assert len(counts) == 28 and counts[0] == max(counts) and counts[0] > 3 * counts[27]
+    assert all(a > b for a, b in zip(counts[:6], counts[1:7]))
 
 
-def test_run_recall_trains_on_dense_batches_and_tests_on_plain_ones(monkeypatch):
-    seen = []  # (dense argument, answers per sequence) of every mqar call of the run
-
-    def recording_mqar(*args, dense=0.0, **kwargs):
-        tokens, labels = mqar(*args, dense=dense, **kwargs)
-        seen.append((dense, sorted(set((labels != IGNORE).sum(1).tolist()))))
-        return tokens, labels
-
-    monkeypatch.setattr(recall, "mqar", recording_mqar)
-    config = RecallConfig(vocab_size=32, seq_len=16, num_pairs=2, steps=2, batch_size=4, test_size=4, hidden_size=16,
-                          num_layers=1, dense_fraction=1.0)
-    logged = []
-    result = recall.run_recall("lstm", config, log=logged.append, log_every=1)
-    assert seen == [(0.0, [2]), (1.0, [12]), (1.0, [12])]  # the test set first, then 2 dense training batches
-    # log_every=1: a line per step, the last with the loss the result records, then the result's line
-    assert [line.split(":")[0] for line in logged[:2]] == ["lstm step 1/2", "lstm step 2/2"]
-    assert f"training loss {result['train_loss']:.4f}" in logged[1] and "test acc" in logged[2]
+def test_the_three_points_of_zoology_figure_2():
+    assert POINTS == {"64x4": (64, 4), "128x8": (128, 8), "256x16": (256, 16)}
+    assert [zoology_batch_size(L) for L, _ in POINTS.values()] == [512, 512, 256]
+    assert [parse_point(p) for p in POINTS] == list(POINTS.values())
+    assert ZOOLOGY_LRS == pytest.approx(torch.logspace(-4, -2, 4).tolist(), rel=1e-3)
+    assert RecallConfig().point == "64x4" and RecallConfig().vocab_size == 8192
+    for length, pairs in POINTS.values():
+        tokens, labels = mqar(3, length, pairs, generator=torch.Generator().manual_seed(0))
+        assert tokens.shape == labels.shape == (3, length)
+        assert ((labels != IGNORE).sum(1) == pairs).all() and int(tokens.max()) < 8192
+    with pytest.raises(ValueError, match="LENGTHxPAIRS"):
+        parse_point("64-4")
 
 
 def test_mqar_rejects_impossible_sizes():
-    with pytest.raises(ValueError, match="3 \\* num_pairs <= seq_len"):
-        mqar(1, 10, 4, 64)
+    with pytest.raises(ValueError, match="4 \\* num_pairs <= seq_len"):
+        mqar(1, 15, 4, 64)
     with pytest.raises(ValueError, match="raise vocab_size"):
-        mqar(1, 64, 20, 16)
-    with pytest.raises(ValueError, match="RecallConfig.steps"):
-        RecallConfig(steps=0)
-    with pytest.raises(ValueError, match="RecallConfig.dense_fraction"):
-        RecallConfig(dense_fraction=1.5)
+        mqar(1, 80, 20, 16)
+    with pytest.raises(ValueError, match="RecallConfig.epochs"):
+        RecallConfig(epochs=0)
+    with pytest.raises(ValueError, match="RecallConfig.target"):
+        RecallConfig(target=1.5)
     with pytest.raises(ValueError, match="unknown recall model"):
         recall_model("bilinear-lstm", RecallConfig())
 
 
-def test_query_accuracy_counts_only_queries():
-    class Oracle(torch.nn.Module):  # right at the first half of the queries of every row, wrong elsewhere
-        def forward(self, input_ids):
-            logits = torch.zeros(*input_ids.shape, 64)
-            for b, row in enumerate(self.labels):
-                asked = (row != IGNORE).nonzero().flatten()
-                for t in asked[: len(asked) // 2]:
-                    logits[b, t, row[t]] = 1.0
-                logits[b, :, 0] = 0.5  # the argmax elsewhere: token 0, never a value
-            return type("Out", (), {"logits": logits})
-
-    tokens, labels = mqar(3, 30, 4, 64, torch.Generator().manual_seed(1))
-    oracle = Oracle()
-    oracle.labels = labels
-    assert query_accuracy(oracle, tokens, labels) == pytest.approx(0.5)
+def test_recall_data_sets_are_fixed_by_the_seed_and_share_no_draw():
+    config = RecallConfig(**TINY)
+    data, again = recall_data(config, seed=3), recall_data(config, seed=3)
+    assert [len(data[k][0]) for k in ("train", "valid", "test")] == [24, 6, 6]
+    assert all(torch.equal(data[k][i], again[k][i]) for k in data for i in (0, 1))
+    assert not torch.equal(data["valid"][0], data["test"][0])
+    assert not torch.equal(recall_data(config, seed=4)["train"][0], data["train"][0])
 
 
-def test_recall_sweep_cli_writes_results_and_a_table(tmp_path):
+@pytest.mark.parametrize("name", [*RECALL_MODELS, "hybrid"])
+def test_answer_only_loss_is_the_full_cross_entropy_at_the_answers(name):
+    """The LM head applied at the answer positions only gives the loss (and the gradient) of the full logits'
+    cross-entropy over the answers, computed here by hand from ``model(tokens).logits``."""
+    config = RecallConfig(**TINY, extra=HYBRID if name == "hybrid" else {})
+    torch.manual_seed(0)
+    model = recall_model("bilinear-conv" if name == "hybrid" else name, config)
+    tokens, labels = mqar(5, 16, 2, 32, torch.Generator().manual_seed(0))
+    logits, answers = answer_logits(model, tokens, labels)
+    assert logits.shape == (10, 32) and answers.tolist() == labels[labels != IGNORE].tolist()
+    loss = F.cross_entropy(logits, answers)
+    (grad,) = torch.autograd.grad(loss, model.get_input_embeddings().weight)
+    full = model(input_ids=tokens).logits.double()
+    picked = [-(full[b, t].log_softmax(-1)[labels[b, t]]) for b in range(5) for t in range(16) if labels[b, t] >= 0]
+    expected = torch.stack(picked).mean()
+    (expected_grad,) = torch.autograd.grad(expected, model.get_input_embeddings().weight)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(grad, expected_grad.float(), rtol=1e-4, atol=1e-7)
+    right = sum(int(full[b, t].argmax() == labels[b, t]) for b in range(5) for t in range(16) if labels[b, t] >= 0)
+    assert answer_accuracy(model, tokens, labels, batch_size=2) == right / 10
+
+
+def test_early_stopping_stops_after_the_first_epoch_at_the_target(monkeypatch):
+    scripted = iter([0.2, 0.6, 0.96, 0.99, 0.5])  # validation after epochs 1, 2, 3; then the test
+    monkeypatch.setattr(recall, "answer_accuracy", lambda *a, **k: next(scripted))
+    config = RecallConfig(**{**TINY, "epochs": 10, "target": 0.95})
+    lines = []
+    r = run_recall("lstm", config, log=lines.append)
+    assert (r["stop"], r["epochs_run"], r["valid_acc"], r["test_acc"]) == ("target", 3, 0.96, 0.99)
+    assert r["steps"] == 3 * 3 and r["examples_seen"] == 3 * 24  # 24 examples in batches of 8, three epochs
+    assert [h["valid_acc"] for h in r["history"]] == [0.2, 0.6, 0.96] and len(lines) == 4
+    assert "cost 9 steps, 72 examples" in lines[-1] and "s/step" in lines[-1] and r["device"] == recall.cpu_name()
+    monkeypatch.setattr(recall, "answer_accuracy", lambda *a, **k: 0.5)
+    r = run_recall("lstm", dataclasses.replace(config, epochs=2), log=lines.append)
+    assert (r["stop"], r["epochs_run"], r["steps"], r["examples_seen"]) == ("epochs", 2, 6, 48)
+
+
+def test_the_cosine_decays_to_zero_over_all_epochs(monkeypatch):
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    run_recall("lstm", RecallConfig(**{**TINY, "epochs": 2, "target": 1.0, "lr": 0.01}), log=lambda _: None)
+    total = 6  # 2 epochs of 3 steps
+    assert seen == pytest.approx([0.005 * (1 + math.cos(math.pi * s / total)) for s in range(total)])
+
+
+def test_the_lr_sweep_keeps_the_best_validation_accuracy(monkeypatch):
+    valid = {1e-4: 0.3, 4.642e-4: 0.9, 2.154e-3: 0.99, 1e-2: 0.5}
+    calls = []
+
+    def fake_run(model, config, seed, log, data, device):
+        calls.append((config.lr, id(data)))
+        return {"lr": config.lr, "valid_acc": valid[config.lr], "test_acc": 1 - valid[config.lr], "steps": 10}
+
+    monkeypatch.setattr(recall, "run_recall", fake_run)
+    runs, best = sweep_lrs("llama", RecallConfig(**TINY))
+    assert [r["lr"] for r in runs] == list(ZOOLOGY_LRS) and best["lr"] == 2.154e-3  # by validation, not test
+    assert len({d for _, d in calls}) == 1  # one data set for every lr
+    tie = [{"valid_acc": 1.0, "steps": 30, "lr": 1}, {"valid_acc": 1.0, "steps": 20, "lr": 2}]
+    assert best_run(tie)["lr"] == 2  # among equals, the fewest steps
+
+
+def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
     from bilinear_lm.probes.recall_cli import main
 
-    args = ["--models", "bilinear-conv,lstm", "--pairs", "2", "--seq-len", "16", "--steps", "2",
-            "--test-size", "4", "--vocab-size", "32", "--hidden-size", "16",
-            "--state-size", "4", "--num-heads", "2", "--output-dir", str(tmp_path)]
+    args = ["--points", "16x2,16x3", "--models", "lstm,llama", "--lrs", "1e-3,1e-2", "--train-examples", "16",
+            "--valid-examples", "4", "--test-examples", "4", "--epochs", "2", "--vocab-size", "32", "--hidden-size",
+            "16", "--num-heads", "2", "--batch-size", "8", "--log-every", "0", "--output-dir", str(tmp_path)]
     assert main(args) == 0
     runs = json.loads((tmp_path / "results.json").read_text())
-    assert [r["model"] for r in runs] == ["bilinear-conv", "lstm"]
-    assert "| bilinear-conv |" in (tmp_path / "table.md").read_text()
+    assert [(r["point"], r["model"], r["lr"]) for r in runs] == [
+        (p, m, lr) for p in ("16x2", "16x3") for m in ("lstm", "llama") for lr in (1e-3, 1e-2)]
+    assert all(r["steps"] == r["epochs_run"] * 2 and r["examples_seen"] == r["epochs_run"] * 16 for r in runs)
+    table = (tmp_path / "table.md").read_text()
+    assert table.splitlines()[0] == "| model | params | 16x2 | 16x3 |" and "| llama |" in table
+    assert "Devices: " + recall.cpu_name().split(",")[0] in table
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
-    assert main([*args, "--steps", "3", "--models", "lstm"]) == 0  # other settings: a new run
-    again = json.loads((tmp_path / "results.json").read_text())
-    assert again[:2] == runs and [(r["model"], r["steps"]) for r in again[2:]] == [("lstm", 3)]
+    assert main([*args, "--points", "16x2", "--models", "lstm", "--lrs", "3e-3"]) == 0  # another lr: a new run
+    assert [r["lr"] for r in json.loads((tmp_path / "results.json").read_text())[8:]] == [3e-3]
+
+
+def test_recall_table_shows_the_best_lr_by_validation_and_every_run():
+    base = dict(model="llama", extra={}, seq_len=64, num_pairs=4, point="64x4", num_params=1000, train_examples=100,
+                stop="epochs", epochs_run=2, epochs=2, steps=4, examples_seen=200, seconds=1.0, s_per_step=0.25,
+                cpu_s_per_step=0.125, device="cpu X")
+    runs = [dict(base, seed=0, lr=1e-3, valid_acc=0.5, test_acc=0.6), dict(base, seed=0, lr=1e-2, valid_acc=0.9,
+                                                                          test_acc=0.8),
+            dict(base, seed=1, lr=1e-3, valid_acc=1.0, test_acc=1.0), dict(base, seed=1, lr=1e-2, valid_acc=0.1,
+                                                                           test_acc=0.1)]
+    lines = recall_table(runs).splitlines()
+    assert lines[2] == "| llama | 1k | 0.900 (lr 0.001, 0.01) (n=2) |"
+    assert lines[6].startswith("| llama | 64x4 | 0 | 0.001 | 100 | 0.500 | 0.600 | epochs | 2/2 | 4 | 200 | 1 | 0.250 | 0.125 |")
 
 
 def test_recall_cli_flags_are_the_config_fields():
-    """Every RecallConfig field but the grid's num_pairs (``--pairs``) is a flag with the field's default (``--lr``
-    a list: the sweep's, see below)."""
-    import dataclasses
-
+    """Every RecallConfig field but the point's (``--points``), the lr (``--lrs``), the batch size (Zoology's for the
+    point unless ``--batch-size``) and ``extra`` (``--extra``) is a flag with the field's default."""
     from bilinear_lm.probes.cli import config_from_args
     from bilinear_lm.probes.recall_cli import build_parser
 
-    args = build_parser().parse_args([])
-    assert config_from_args(RecallConfig, args, num_pairs=8) == RecallConfig()
-    args = build_parser().parse_args(["--seq-len", "32", "--state-size", "8"])
-    assert config_from_args(RecallConfig, args, num_pairs=2, lr=0.01) == RecallConfig(seq_len=32, lr=0.01,
-                                                                                    state_size=8, num_pairs=2)
-    flags = {a.dest for a in build_parser()._actions}
-    assert {f.name for f in dataclasses.fields(RecallConfig)} - flags == {"num_pairs"}
-    args = build_parser().parse_args(["--extra", '{"conv_width": 2}'])
-    assert config_from_args(RecallConfig, args).extra == {"conv_width": 2}
-
-
-def test_recall_lr_sweep_reports_the_best_lr_per_model_and_pairs(tmp_path):
-    from bilinear_lm.probes.recall_cli import main
-
-    assert main(["--models", "lstm", "--pairs", "1,2", "--seq-len", "8", "--steps", "2", "--test-size", "4",
-                 "--vocab-size", "16", "--hidden-size", "8", "--lr", "1e-3,1e-2", "--output-dir", str(tmp_path)]) == 0
-    runs = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["num_pairs"], r["lr"]) for r in runs] == [(1, 1e-3), (1, 1e-2), (2, 1e-3), (2, 1e-2)]
-    runs[0]["test_acc"], runs[1]["test_acc"], runs[2]["test_acc"], runs[3]["test_acc"] = 0.5, 0.25, 0.125, 1.0
-    assert recall_table(runs).splitlines()[2].endswith("| 0.500 (lr 0.001) | 1.000 (lr 0.01) |")
-    runs += [dict(r, seed=1, test_acc=0.0) for r in runs]  # seed 1: best lr 1e-3 at 2 pairs
-    assert recall_table(runs).splitlines()[2].endswith("| 0.250 (lr 0.001) (n=2) | 0.500 (lr 0.001, 0.01) (n=2) |")
+    parser = build_parser()
+    args = parser.parse_args([])
+    assert args.batch_size is None and config_from_args(RecallConfig, args, batch_size=512) == RecallConfig()
+    args = parser.parse_args(["--epochs", "3", "--state-size", "8", "--extra", '{"conv_width": 2}'])
+    assert config_from_args(RecallConfig, args, batch_size=512) == RecallConfig(epochs=3, state_size=8,
+                                                                                extra={"conv_width": 2})
+    assert [float(x) for x in args.lrs.split(",")] == list(ZOOLOGY_LRS) and args.points == "64x4"
+    assert parser.parse_args(["--point", "128x8"]).points == "128x8"
+    flags = {a.dest for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(RecallConfig)} - flags == {"seq_len", "num_pairs", "lr"}
 
 
 def test_every_recall_model_has_untied_output_embeddings():
     """Tied, the bilinear stack's 2-layer attention model stayed at 1 / pairs where Llama (untied) recalled: every
     model is built alike, with its own output matrix."""
-    config = RecallConfig(num_pairs=2, seq_len=16, vocab_size=32, hidden_size=16, state_size=4, num_heads=2)
+    config = RecallConfig(**TINY)
     for name in RECALL_MODELS:
         model = recall_model(name, config)
         out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight

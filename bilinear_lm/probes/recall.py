@@ -1,115 +1,147 @@
-"""Multi-query associative recall (MQAR, as in the Zoology benchmark: Arora et al. 2023, "Zoology: Measuring and
-Improving Recall in Efficient Language Models"): :func:`mqar` makes the data, :func:`run_recall` trains and scores.
+"""Multi-query associative recall (MQAR) by Zoology's protocol (Arora et al. 2023, "Zoology: Measuring and Improving
+Recall in Efficient Language Models", figure 2): :func:`mqar` makes the data, :func:`run_recall` trains one model at
+one lr, :func:`sweep_lrs` runs the lr sweep and keeps the best run.
 
-A sequence starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...`` (keys from the first half of the vocabulary,
-values from the second, keys distinct), then every key is queried once at a random later position; the other
-positions hold token 0. The label at a query is its key's value; every other position is ignored (-100). A model
-must store all pairs in its state and read any one back: attention does this by lookup, and a fixed-size
-recurrent state only as far as it can hold ``num_pairs`` associations. A purely multiplicative state (``h_t =
-A(x_t) h_{t-1}``, no write term) is expected to do poorly here.
+Data. A sequence of ``seq_len`` tokens starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...``: distinct keys
+from the lower half of the vocabulary (``1 .. vocab_size / 2 - 1``; token 0 is the filler), distinct values from the
+upper half. Then every key is queried once, at an even offset after the pairs, ``2 * num_pairs + 2 * g``, with the
+gaps ``g`` distinct and drawn by a power law ``p(g) ~ (g + 1) ** (power_a - 1)`` (``power_a`` 0.01: short gaps are
+the likeliest, as a repeated bigram in text is likeliest soon after the first); every other position is token 0.
+The label at a query is its key's value (the token a causal LM predicts next there); every other label is -100, so
+the loss and the accuracy count the answers only, and the LM head is applied at the answer positions only
+(:func:`answer_logits`: the 8,192-way output layer would otherwise dominate a step).
 
-For training, ``RecallConfig.dense_fraction`` makes a fraction of the sequences *dense* (a query at every position
-after the pairs): with half of them dense, Llama learns the task at length 64 with 4 pairs within 1,500 steps, where
-plain sequences left it at ``1 / num_pairs`` after 8,000 (docs/probes.md). The test sequences are
-always plain.
+Protocol (Zoology's figure 2; :data:`POINTS`): vocabulary 8,192; (seq_len, pairs) = (64, 4), (128, 8), (256, 16)
+with batch 512, 512, 256; a fixed training set of 100,000 examples re-used for up to 64 epochs; AdamW (weight
+decay 0.1), cosine decay to 0 over the epochs, no warmup; training stops after the first epoch whose validation
+accuracy reaches 0.99; the best of the lrs ``logspace(-4, -2, 4)`` by validation accuracy; its accuracy on fresh
+test examples is the result. Where this differs from Zoology: the models are this repository's (Llama with RoPE,
+an MLP and ``num_heads`` heads, untied output embeddings, no dropout, where Zoology's attention has one head, learned
+positions, no MLP, tied embeddings, dropout 0.1); validation (stopping, lr choice) and test are separate sets
+(Zoology stops on its test set); the training set is reshuffled every epoch; the cosine decays every step; weight
+decay applies to the weight matrices only (``baselines.optimizer_groups``).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from ..baselines import build_model
+from ..baselines import LSTMLanguageModel, build_model, optimizer_groups
 from ..utils import eval_mode
 from .config import option
-from .training import default_lr
 
 IGNORE = -100
 RECALL_MODELS = ("bilinear", "bilinear-conv", "llama", "lstm")
+POWER_A = 0.01  # Zoology's power law for the query gaps
+ZOOLOGY_LRS = (1e-4, 4.642e-4, 2.154e-3, 1e-2)  # np.logspace(-4, -2, 4), to 4 digits
+POINTS = {"64x4": (64, 4), "128x8": (128, 8), "256x16": (256, 16)}  # Zoology's figure 2: (seq_len, num_pairs)
 
 
-def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int, generator=None, dense: float = 0.0):
-    """``(tokens, labels)``, both ``[num_examples, seq_len]`` long tensors (see the module docstring). ``dense``: the
-    probability that a sequence is *dense*: every position after its pairs is a query (its keys' own queries as in
-    a plain sequence, then a key drawn uniformly from its pairs at each other position), so that it has ``seq_len -
-    2 * num_pairs`` answers instead of ``num_pairs``: the same task with more answers per sequence (a training
-    option, ``RecallConfig.dense_fraction``; with ``dense=0`` the generator draws exactly what it drew before)."""
+def zoology_batch_size(seq_len: int) -> int:
+    """Zoology's batch size for a sequence length: 512 up to length 128, then 256, 128, 64 at 256, 512, 1024."""
+    return max(1, min(512, 65536 // seq_len))
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    """``"128x8"`` -> ``(128, 8)`` (sequence length, pairs): the presets of :data:`POINTS` or any ``LxP``."""
+    length, sep, pairs = text.strip().partition("x")
+    if not (sep and length.isdigit() and pairs.isdigit()):
+        raise ValueError(f"a recall point is LENGTHxPAIRS, e.g. {', '.join(POINTS)}; got {text!r}")
+    return int(length), int(pairs)
+
+
+def _distinct(n: int, k: int, low: int, high: int, generator) -> torch.Tensor:
+    """``[n, k]`` integers from ``low .. high - 1``, distinct within each row, every such row equally likely."""
+    span = high - low
+    if math.prod(1 - i / span for i in range(k)) < 0.5:  # few choices: rank random numbers ([n, span] is small)
+        return torch.rand(n, span, generator=generator).argsort(dim=1)[:, :k] + low
+    x = torch.randint(low, high, (n, k), generator=generator)
+    while True:  # redraw the rows with a repeat: a uniform row conditioned on no repeat
+        s = x.sort(dim=1).values
+        repeat = (s[:, 1:] == s[:, :-1]).any(dim=1)
+        if not repeat.any():
+            return x
+        x[repeat] = torch.randint(low, high, (int(repeat.sum()), k), generator=generator)
+
+
+def mqar(num_examples: int, seq_len: int, num_pairs: int, vocab_size: int = 8192, generator=None,
+         power_a: float = POWER_A):
+    """``(tokens, labels)``, both ``[num_examples, seq_len]`` long tensors (see the module docstring); the same
+    ``generator`` state gives the same examples."""
     half = vocab_size // 2
-    if num_pairs < 1 or 3 * num_pairs > seq_len:
-        raise ValueError(f"mqar: need 1 <= num_pairs and 3 * num_pairs <= seq_len (pairs plus one query each), got "
-                         f"num_pairs={num_pairs}, seq_len={seq_len}")
+    if num_pairs < 1 or 4 * num_pairs > seq_len:
+        raise ValueError(f"mqar: need 1 <= num_pairs and 4 * num_pairs <= seq_len (the pairs, then a query and a "
+                         f"filler per key), got num_pairs={num_pairs}, seq_len={seq_len}")
     if half - 1 < num_pairs:
         raise ValueError(f"mqar: vocab_size {vocab_size} has only {half - 1} keys for {num_pairs} distinct keys; "
                          "raise vocab_size")
-    keys = torch.rand(num_examples, half - 1, generator=generator).argsort(dim=1)[:, :num_pairs] + 1
-    values = torch.randint(half, vocab_size, (num_examples, num_pairs), generator=generator)
+    keys = _distinct(num_examples, num_pairs, 1, half, generator)
+    values = _distinct(num_examples, num_pairs, half, vocab_size, generator)
+    space = (seq_len - 2 * num_pairs) // 2  # query slots: the even offsets after the pairs
+    p = power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (power_a - 1)
+    # key i is asked at the i-th gap drawn (without replacement, so the likeliest gaps tend to come first)
+    gaps = torch.multinomial((p / p.sum()).expand(num_examples, space), num_pairs, replacement=False,
+                             generator=generator)
+    slots = 2 * num_pairs + 2 * gaps
     tokens = torch.zeros(num_examples, seq_len, dtype=torch.long)
     labels = torch.full((num_examples, seq_len), IGNORE, dtype=torch.long)
     tokens[:, 0:2 * num_pairs:2], tokens[:, 1:2 * num_pairs:2] = keys, values
-    # Query slots: num_pairs distinct positions after the pairs; key i is asked at its slot in a random order.
-    slots = torch.rand(num_examples, seq_len - 2 * num_pairs, generator=generator).argsort(dim=1)[:, :num_pairs]
-    slots = slots + 2 * num_pairs
-    order = torch.rand(num_examples, num_pairs, generator=generator).argsort(dim=1)
-    tokens.scatter_(1, slots, keys.gather(1, order))
-    labels.scatter_(1, slots, values.gather(1, order))
-    if dense > 0:
-        rows = torch.rand(num_examples, 1, generator=generator) < dense
-        free = (labels[:, 2 * num_pairs:] == IGNORE) & rows
-        pick = torch.randint(num_pairs, free.shape, generator=generator)
-        rest_x, rest_y = tokens[:, 2 * num_pairs:], labels[:, 2 * num_pairs:]
-        rest_x[free], rest_y[free] = keys.gather(1, pick)[free], values.gather(1, pick)[free]
+    tokens.scatter_(1, slots, keys)
+    labels.scatter_(1, slots, values)
     return tokens, labels
 
 
 @dataclass(frozen=True)
 class RecallConfig:
-    """One MQAR run: data (every training batch is freshly sampled, so a model cannot pass by memorizing a fixed
-    training set), training (Adam, linear warmup then cosine decay) and the model's size (bilinear ``num_heads`` x
-    ``state_size``, rank = state size; the baselines are built at the same width and depth, Llama with ``num_heads``
-    heads).
-    Each field's help says what it sets."""
+    """One MQAR run: the data (a point ``seq_len`` x ``num_pairs``, the set sizes), training (AdamW, cosine decay over
+    ``epochs``, early stopping at ``target``) and the model's size (bilinear ``num_heads`` x ``state_size``, rank =
+    state size; Llama with ``num_heads`` heads and an MLP 4x wide; all ``num_layers`` deep, ``hidden_size`` wide).
+    The defaults are Zoology's first point at width 64. Each field's help says what it sets."""
 
-    vocab_size: int = option(1024, "vocabulary: keys from the first half, values from the second")
-    seq_len: int = option(128, "sequence length")
-    num_pairs: int = option(8, "key-value pairs per sequence")
-    test_size: int = option(500, "held-out test sequences")
-    steps: int = option(1500, "training steps")
-    batch_size: int = option(64, "training batch size")
-    lr: float | None = option(None, "Adam lr (default 3e-3 for bilinear models, 1e-3 for the baselines)")
-    warmup_steps: int = option(0, "linear lr warmup steps, then cosine decay to 0 at the last step")
-    dense_fraction: float = option(0.0, "fraction of training sequences with a query at every position after the "
-                                   "pairs (keys repeat: seq_len - 2 * num_pairs answers instead of num_pairs); the "
-                                   "test sequences stay plain (one query per key)")
-    hidden_size: int = option(128, "model width")
+    seq_len: int = option(64, "sequence length")
+    num_pairs: int = option(4, "key-value pairs per sequence")
+    vocab_size: int = option(8192, "vocabulary: keys from the lower half, values from the upper half")
+    train_examples: int = option(100_000, "training examples: one fixed set, re-used (reshuffled) every epoch")
+    valid_examples: int = option(1_000, "validation examples (early stopping and the choice of lr)")
+    test_examples: int = option(3_000, "fresh test examples (the reported accuracy)")
+    epochs: int = option(64, "at most this many epochs (the cosine decays to 0 at the last)")
+    batch_size: int = option(512, "training batch size")
+    lr: float = option(1e-3, "AdamW lr")
+    weight_decay: float = option(0.1, "AdamW weight decay (weight matrices only)")
+    target: float = option(0.99, "stop after the first epoch whose validation accuracy reaches this")
+    hidden_size: int = option(64, "model width")
     num_layers: int = option(2, "model depth")
     num_heads: int = option(4, "bilinear and Llama heads")
-    state_size: int = option(32, "bilinear state size per head")
+    state_size: int = option(16, "bilinear state size per head")
     extra: dict = field(default_factory=dict)  # further BilinearConfig keys for the bilinear models
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "num_pairs", "test_size", "steps", "batch_size",
-                     "hidden_size", "num_layers", "num_heads", "state_size"):
+        for name in ("seq_len", "num_pairs", "vocab_size", "train_examples", "valid_examples", "test_examples",
+                     "epochs", "batch_size", "hidden_size", "num_layers", "num_heads", "state_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RecallConfig.{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or \
-                not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"RecallConfig.warmup_steps must be an integer in [0, steps), got {self.warmup_steps!r}")
-        if isinstance(self.dense_fraction, bool) or not isinstance(self.dense_fraction, (int, float)) or \
-                not 0 <= self.dense_fraction <= 1:
-            raise ValueError(f"RecallConfig.dense_fraction must be a number in [0, 1], got {self.dense_fraction!r}")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"RecallConfig.lr must be None or a finite number > 0, got {self.lr!r}")
+        for name, bound, ok in (("lr", "> 0", lambda v: v > 0), ("weight_decay", ">= 0", lambda v: v >= 0),
+                                ("target", "in [0, 1]", lambda v: 0 <= v <= 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    not ok(value):
+                raise ValueError(f"RecallConfig.{name} must be a finite number {bound}, got {value!r}")
+
+    @property
+    def point(self) -> str:
+        return f"{self.seq_len}x{self.num_pairs}"
 
 
 def recall_model(name: str, config: RecallConfig):
-    """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``), ``llama`` or ``lstm``, all
-    ``num_layers`` deep and
-    ``hidden_size`` wide, with untied input and output embeddings (as Llama and the LSTM here: tied, a 2-layer
-    attention model of the bilinear stack stayed at ``1 / pairs``, 0.260, where untied it reached 0.981)."""
+    """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``; with ``extra`` layer types, a
+    hybrid), ``llama`` or ``lstm``, all ``num_layers`` deep and ``hidden_size`` wide, with untied input and output
+    embeddings (tied, a 2-layer attention model of the bilinear stack stayed at ``1 / pairs``, 0.260, where untied it
+    reached 0.981: docs/results-history.md)."""
     c = config
     if name in ("bilinear", "bilinear-conv"):
         cfg = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_heads=c.num_heads,
@@ -119,7 +151,7 @@ def recall_model(name: str, config: RecallConfig):
     if name == "llama":
         cfg = dict(hidden_size=c.hidden_size, intermediate_size=4 * c.hidden_size, num_hidden_layers=c.num_layers,
                    num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
-                   max_position_embeddings=c.seq_len, use_cache=False)
+                   max_position_embeddings=c.seq_len, tie_word_embeddings=False, use_cache=False)
         return build_model("llama", cfg, c.vocab_size, match_bilinear=False)
     if name == "lstm":
         return build_model("lstm", dict(hidden_size=c.hidden_size, num_layers=c.num_layers), c.vocab_size,
@@ -127,69 +159,133 @@ def recall_model(name: str, config: RecallConfig):
     raise ValueError(f"unknown recall model {name!r}; choose one of {RECALL_MODELS}")
 
 
-def lr_factor(step: int, config: RecallConfig) -> float:
-    """The lr multiplier at ``step``: linear warmup over ``warmup_steps``, then cosine decay to 0 at ``steps``."""
-    w = config.warmup_steps
-    if step < w:
-        return (step + 1) / w
-    return 0.5 * (1 + math.cos(math.pi * min((step - w) / (config.steps - w), 1)))
+def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
+    """What a recall model's LM head reads, ``[B, T, hidden]``: the base model's last hidden state (bilinear models
+    and hybrids, Llama), the LSTM's output."""
+    if isinstance(model, LSTMLanguageModel):
+        return model.lstm(model.embed(tokens))[0]
+    return model.model(input_ids=tokens, use_cache=False).last_hidden_state
+
+
+def answer_logits(model, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, answers)``: the LM head's fp32 logits ``[n, vocab]`` at the ``n`` answer positions (``labels !=
+    -100``) only, and the answers ``[n]``: ``model(tokens).logits`` at those positions, without the head's cost
+    at every other position."""
+    asked = labels != IGNORE
+    return model.get_output_embeddings()(hidden_states(model, tokens)[asked]).float(), labels[asked]
 
 
 @torch.no_grad()
-def query_accuracy(model, tokens, labels, batch_size: int = 100) -> float:
-    """Fraction of query positions (``labels != -100``) whose argmax logit is the value."""
+def answer_accuracy(model, tokens, labels, batch_size: int = 500) -> float:
+    """Fraction of the answers (``labels != -100``) whose argmax logit is the value."""
     correct = total = 0
+    device = next(model.parameters()).device
     with eval_mode(model):
         for i in range(0, len(tokens), batch_size):
-            x, y = tokens[i:i + batch_size], labels[i:i + batch_size]
-            logits = model(input_ids=x).logits
-            asked = y != IGNORE
-            correct += int((logits.argmax(-1)[asked] == y[asked]).sum())
-            total += int(asked.sum())
+            logits, answers = answer_logits(model, tokens[i:i + batch_size].to(device, torch.long),
+                                            labels[i:i + batch_size].to(device, torch.long))
+            correct += int((logits.argmax(-1) == answers).sum())
+            total += answers.numel()
     return correct / total
 
 
-def held_out_set(config: RecallConfig, seed: int = 0):
-    """The held-out sequences of a run: plain MQAR (one query per key) whatever the training options."""
+def recall_data(config: RecallConfig, seed: int = 0) -> dict:
+    """The training, validation and test sets of a run (``{"train": (tokens, labels), "valid": ..., "test": ...}``),
+    each from its own generator, so the three never share a draw: a function of the point, the vocabulary, the set
+    sizes and ``seed``, the same for every model and lr. Stored as int16 (every token and -100 fit)."""
     c = config
-    return mqar(c.test_size, c.seq_len, c.num_pairs, c.vocab_size, torch.Generator().manual_seed(10**6 + seed))
+
+    def make(n, offset):
+        x, y = mqar(n, c.seq_len, c.num_pairs, c.vocab_size, torch.Generator().manual_seed(offset + seed))
+        return (x.to(torch.int16), y.to(torch.int16)) if c.vocab_size <= 2**15 else (x, y)
+
+    return {"train": make(c.train_examples, 0), "valid": make(c.valid_examples, 10**6),
+            "test": make(c.test_examples, 2 * 10**6)}
 
 
-def train_batch(config: RecallConfig, generator):
-    """One freshly sampled training batch (a ``dense_fraction`` of its sequences dense, see :func:`mqar`)."""
-    c = config
-    return mqar(c.batch_size, c.seq_len, c.num_pairs, c.vocab_size, generator, dense=c.dense_fraction)
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), the SIMD level PyTorch uses, and torch's thread count."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        model = "unknown CPU"
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+
+
+def _log_result(r: dict, log) -> None:
+    log(f"mqar {r['point']} {r['model']} lr {r['lr']:.3g} seed {r['seed']}: valid {r['valid_acc']:.3f} test "
+        f"{r['test_acc']:.3f} ({'target reached after' if r['stop'] == 'target' else 'target not reached in'} "
+        f"{r['epochs_run']} epochs); cost {r['steps']} steps, "
+        f"{r['examples_seen']:,} examples, {r['seconds']:.0f} s ({r['s_per_step']:.3f} s/step training, "
+        f"{r['cpu_s_per_step']:.3f} s of process CPU time) on {r['device']}")
 
 
 def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int = 0, log=print,
-               log_every: int = 0) -> dict:
-    """Train ``model_name`` on MQAR for ``config.steps`` steps -> result dict with the test query accuracy; with
-    ``log_every`` > 0, ``log`` the training loss every ``log_every`` steps."""
+               data: dict | None = None, device: str = "cpu", log_every: int = 1) -> dict:
+    """Train ``model_name`` on the fixed training set of ``config`` (``data``: :func:`recall_data`'s, made here if
+    None) at ``config.lr`` until validation accuracy reaches ``config.target`` or ``config.epochs`` run out -> a
+    result dict: accuracies, the cost (steps, examples seen, seconds, s/step, the CPU) and the per-epoch history.
+    ``log`` gets a line every ``log_every`` epochs (0: none) and the result's line."""
     c = config
-    g = torch.Generator().manual_seed(seed)
-    test_x, test_y = held_out_set(c, seed)
+    data = data if data is not None else recall_data(c, seed)
+    train_x, train_y = data["train"]
     torch.manual_seed(seed)
-    model = recall_model(model_name, c).train()
-    lr = c.lr if c.lr is not None else default_lr(model_name)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, c))
-    t0, loss = time.time(), float("nan")
-    for step in range(c.steps):
-        x, y = train_batch(c, g)
-        logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        if log_every and (step + 1) % log_every == 0:
-            log(f"{model_name} step {step + 1}/{c.steps}: training loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
-    seconds = time.time() - t0
-    result = {"model": model_name, "seed": seed, **{k: v for k, v in asdict(c).items() if k != "extra"}, "lr": lr,
-              "extra": dict(c.extra), "config": asdict(c), "num_params": sum(p.numel() for p in model.parameters()),
-              "train_loss": round(loss.item(), 4), "seconds": round(seconds, 1),
-              "test_acc": query_accuracy(model, test_x, test_y)}
-    log(f"mqar pairs={c.num_pairs} len={c.seq_len} {model_name} seed {seed}: test acc {result['test_acc']:.3f} "
-        f"(last train loss {result['train_loss']}), {seconds:.0f}s")
+    model = recall_model(model_name, c).to(device).train()
+    opt = torch.optim.AdamW(optimizer_groups(model, c.weight_decay), lr=c.lr)
+    steps_per_epoch = math.ceil(len(train_x) / c.batch_size)
+    total = c.epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / total, 1))))
+    shuffle = torch.Generator().manual_seed(seed)
+    history, step, seen, stop, train_seconds, train_cpu = [], 0, 0, "epochs", 0.0, 0.0
+    t0 = time.perf_counter()
+    for epoch in range(1, c.epochs + 1):
+        t_epoch, cpu_epoch, loss_sum = time.perf_counter(), time.process_time(), torch.zeros((), device=device)
+        order = torch.randperm(len(train_x), generator=shuffle)
+        for i in range(0, len(train_x), c.batch_size):
+            batch = order[i:i + c.batch_size]
+            logits, answers = answer_logits(model, train_x[batch].to(device, torch.long),
+                                            train_y[batch].to(device, torch.long))
+            loss = F.cross_entropy(logits, answers)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            schedule.step()
+            loss_sum += loss.detach()
+            step, seen = step + 1, seen + len(batch)
+        train_seconds += time.perf_counter() - t_epoch
+        train_cpu += time.process_time() - cpu_epoch
+        valid = answer_accuracy(model, *data["valid"])
+        history.append({"epoch": epoch, "steps": step, "train_loss": round(loss_sum.item() / steps_per_epoch, 4),
+                        "valid_acc": valid, "seconds": round(time.perf_counter() - t0, 1)})
+        if log_every and epoch % log_every == 0:
+            log(f"{model_name} {c.point} lr {c.lr:.3g} epoch {epoch}/{c.epochs} (step {step}): training loss "
+                f"{history[-1]['train_loss']:.4f}, valid acc {valid:.3f} ({history[-1]['seconds']:.0f} s)")
+        if valid >= c.target:
+            stop = "target"
+            break
+    seconds = time.perf_counter() - t0
+    result = {"model": model_name, "seed": seed, "point": c.point,
+              **{k: v for k, v in asdict(c).items() if k != "extra"}, "extra": dict(c.extra), "config": asdict(c),
+              "num_params": sum(p.numel() for p in model.parameters()),
+              "train_loss": history[-1]["train_loss"], "valid_acc": history[-1]["valid_acc"],
+              "test_acc": answer_accuracy(model, *data["test"]), "stop": stop, "epochs_run": len(history),
+              "steps": step, "examples_seen": seen,
+              "seconds": round(seconds, 1), "train_seconds": round(train_seconds, 1),
+              "s_per_step": round(train_seconds / step, 4), "cpu_s_per_step": round(train_cpu / step, 4),
+              "device": cpu_name() if str(device) == "cpu" else str(device), "history": history}
+    _log_result(result, log)
     return result
+
+
+def best_run(runs: list[dict]) -> dict:
+    """The run a sweep keeps: the highest validation accuracy (never the test's), the fewest steps among equals."""
+    return max(runs, key=lambda r: (r["valid_acc"], -r["steps"]))
+
+
+def sweep_lrs(model_name: str, config: RecallConfig = RecallConfig(), lrs=ZOOLOGY_LRS, seed: int = 0, log=print,
+              device: str = "cpu") -> tuple[list[dict], dict]:
+    """Zoology's lr sweep: ``model_name`` at each of ``lrs`` on the same data -> (every run, :func:`best_run`)."""
+    data = recall_data(config, seed)
+    runs = [run_recall(model_name, replace(config, lr=lr), seed, log, data, device) for lr in lrs]
+    return runs, best_run(runs)

@@ -1,16 +1,19 @@
-"""Multi-query associative recall (MQAR) sweep: accuracy vs number of key-value pairs, per model (CLI and table).
+"""Multi-query associative recall (MQAR) by Zoology's protocol: the lr sweep per model and point, a table.
 
 ``bilinear-recall`` once installed, ``python eval/recall.py`` in a checkout (same arguments). The data, models and
-training are ``bilinear_lm.probes.recall`` (``mqar``, ``run_recall``, ``RecallConfig``); this CLI runs the grid,
-resumes from its results file, and writes a markdown table.
+training are ``bilinear_lm.probes.recall`` (``mqar``, ``run_recall``, ``RecallConfig``; its docstring states the
+protocol and where it differs from Zoology's). Every (point, seed, model, lr) is one run: trained on a fixed set of
+``--train-examples`` for at most ``--epochs`` epochs, stopped after the first epoch whose validation accuracy reaches
+``--target``. The table keeps, per model, point and seed, the lr with the best validation accuracy and shows its test
+accuracy on fresh examples, with each run's cost (steps, examples seen, seconds, s/step, the CPU). The results file
+is resumed: a run already there is not run again.
 
-    bilinear-recall --models bilinear,bilinear-conv,llama,lstm --pairs 4,8,16 \
-        --seq-len 64 --steps 600 --output-dir runs/recall
-    bilinear-recall --models llama,bilinear --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 \
-        --lr 1e-3,3e-3,1e-2 --warmup-steps 100 --extra '{"conv_width": 2}' --output-dir runs/recall_sweep
-    # the calibrated protocol (docs/probes.md): half the training sequences dense, Llama 1.000 at 4 pairs
-    bilinear-recall --models llama --pairs 4,8,16 --seq-len 64 --vocab-size 256 --hidden-size 64 --state-size 16 \
-        --steps 1500 --warmup-steps 200 --lr 1e-3 --dense-fraction 0.5 --output-dir runs/recall_dense
+    bilinear-recall --points 64x4 --models llama --threads 1 --output-dir runs/recall      # Zoology's 4 lrs
+    bilinear-recall --points 64x4,128x8,256x16 --models llama,bilinear-conv --output-dir runs/recall
+    bilinear-recall --points 64x4 --models llama --lrs 2.154e-3 --train-examples 20000 --epochs 16 --output-dir r
+    bilinear-recall --points 128x8 --models bilinear-conv --num-layers 4 --output-dir runs/hybrid \\
+        --extra '{"layer_types": ["bilinear", "bilinear", "bilinear", "full_attention"], "num_attention_heads": 4,
+                  "num_key_value_heads": 4, "use_rope": false}'      # a 3:1 hybrid
 """
 from __future__ import annotations
 
@@ -23,31 +26,37 @@ import torch
 
 from ..utils import keep_freed_memory
 from .cli import add_config_flags, config_from_args, flag_error, parse_list
-from .recall import RECALL_MODELS, RecallConfig, run_recall
+from .recall import (POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, parse_point, recall_data, run_recall,
+                     zoology_batch_size)
 from .report import recall_table
 
 
 def run_key(model: str, seed: int, config: dict | None) -> str:
     """What identifies a run in the results file (a sweep skips the runs already there): model, seed and the whole
-    ``RecallConfig`` (``asdict``). Runs recorded without a config (older results files) match no new run."""
+    ``RecallConfig`` (``asdict``). Runs recorded without a config match no new run."""
     return json.dumps([model, seed, config], sort_keys=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="bilinear,bilinear-conv,llama,lstm",
-                   help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
-    p.add_argument("--pairs", default="4,8,16", help="numbers of key-value pairs (the grid's num_pairs)")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--output-dir", default="runs/recall")
-    p.add_argument("--lr", default=None, help="Adam lr, or comma-separated lrs to sweep: the table shows each model's "
-                   "best per number of pairs (default: 3e-3 for bilinear models, 1e-3 for the baselines)")
+    p.add_argument("--points", "--point", default="64x4",
+                   help=f"comma-separated LENGTHxPAIRS: Zoology's {', '.join(POINTS)} or any other (default: 64x4)")
+    p.add_argument("--models", default="llama", help=f"comma-separated, from {', '.join(RECALL_MODELS)}")
+    p.add_argument("--lrs", default=",".join(map(str, ZOOLOGY_LRS)),
+                   help="comma-separated lrs, each a run; the table keeps the best by validation accuracy "
+                        "(default: Zoology's logspace(-4, -2, 4))")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds: the data and the model's initialization")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="training batch size (default: Zoology's, 512 up to length 128, 256 at 256, 65536 / length "
+                        "beyond)")
     p.add_argument("--extra", type=json.loads, default={}, metavar="JSON",
                    help='further BilinearConfig keys for the bilinear models, e.g. \'{"conv_width": 2}\'')
-    p.add_argument("--log-every", type=int, default=0, metavar="N",
-                   help="print the training loss every N steps (default: only each run's result)")
-    add_config_flags(p, RecallConfig, exclude=("num_pairs", "lr", "extra"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--log-every", type=int, default=1, metavar="N",
+                   help="print the training loss and validation accuracy every N epochs (0: only each run's result)")
+    p.add_argument("--output-dir", default="runs/recall", help="results.json (resumed) and table.md")
+    add_config_flags(p, RecallConfig, exclude=("seq_len", "num_pairs", "batch_size", "lr", "extra"))
     return p
 
 
@@ -57,33 +66,41 @@ def main(argv=None) -> int:
     unknown = sorted(set(models) - set(RECALL_MODELS))
     if unknown:
         raise SystemExit(f"--models: unknown {unknown}; choose from {list(RECALL_MODELS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        points = [parse_point(p) for p in args.points.split(",") if p.strip()]
+    except ValueError as err:
+        raise SystemExit(f"--points: {err}") from None
+    lrs, seeds = parse_list(args.lrs, float, "--lrs"), parse_list(args.seeds, int, "--seeds")
+    torch.set_num_threads(args.threads)
     keep_freed_memory()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     runs = json.loads(results_path.read_text()) if results_path.exists() else []
     done = {run_key(r["model"], r["seed"], r.get("config")) for r in runs}
-    lrs = parse_list(args.lr, float, "--lr") if args.lr else [None]
-    for pairs in parse_list(args.pairs, int, "--pairs"):
-        for seed in parse_list(args.seeds, int, "--seeds"):
+    for seq_len, pairs in points:
+        batch = args.batch_size or zoology_batch_size(seq_len)
+        for seed in seeds:
+            data = None  # one data set per point and seed, shared by every model and lr
             for model in models:
                 for lr in lrs:
                     try:
-                        config = config_from_args(RecallConfig, args, num_pairs=pairs, lr=lr)
+                        config = config_from_args(RecallConfig, args, seq_len=seq_len, num_pairs=pairs,
+                                                  batch_size=batch, lr=lr)
                     except ValueError as err:
                         raise flag_error(err, RecallConfig) from None
                     if run_key(model, seed, dataclasses.asdict(config)) in done:
                         continue
                     try:
-                        runs.append(run_recall(model, config, seed, log_every=args.log_every))
+                        data = data if data is not None else recall_data(config, seed)
+                        runs.append(run_recall(model, config, seed, data=data, device=args.device,
+                                               log=lambda line: print(line, flush=True), log_every=args.log_every))
                     except ValueError as err:
                         raise SystemExit(f"error: {err}") from None
                     tmp = results_path.with_suffix(".tmp")
                     tmp.write_text(json.dumps(runs, indent=1))
                     tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
     table = recall_table(runs)
-    (out / "table.md").write_text(table + "\n")
+    (out / "table.md").write_text(table)
     print(table)
     return 0

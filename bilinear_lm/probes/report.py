@@ -120,29 +120,38 @@ def write_report(runs: list[dict], out_dir: Path) -> None:
 
 
 def recall_table(runs: list[dict]) -> str:
-    """MQAR results: rows: models (with their ``extra`` keys, if any); columns: (seq_len, pairs); cells: test query
-    accuracy at the best lr of each seed (Zoology's protocol), mean over seeds (and the seed count), with the best
-    lr where more than one was run."""
+    """MQAR results (``bilinear_lm.probes.recall``), markdown. The summary: rows models (with their ``extra`` keys, if
+    any), columns points (``seq_len x pairs``), cells the test accuracy of the run with the best validation accuracy
+    over lrs (``recall.best_run``), mean over seeds (with their count), and its lr; then every run with its cost
+    (s/step: wall-clock seconds per training step; CPU s/step: the process's CPU time, which a shared machine's
+    load does not inflate)."""
+    from .recall import best_run
+
     def row(r):
         return r["model"] + (f" {json.dumps(r['extra'], sort_keys=True)}" if r.get("extra") else "")
 
     cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
     rows = list(dict.fromkeys(row(r) for r in runs))
-    lines = ["| model | params | " + " | ".join(f"L={L}, {p} pairs" for L, p in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    lines = ["| model | params | " + " | ".join(f"{L}x{p}" for L, p in cols) + " |", "|---|---|" + "---|" * len(cols)]
     for m in rows:
         cells = []
-        for col in cols:
-            cell = [r for r in runs if row(r) == m and (r["seq_len"], r["num_pairs"]) == col]
-            best = {}  # seed -> its best run over lrs
-            for r in cell:
-                if r["seed"] not in best or r["test_acc"] > best[r["seed"]]["test_acc"]:
-                    best[r["seed"]] = r
-            accs, lrs = [r["test_acc"] for r in best.values()], sorted({r["lr"] for r in best.values()})
-            text = f"{sum(accs) / len(accs):.3f}" if accs else "-"
-            if len({r["lr"] for r in cell}) > 1:
-                text += " (lr " + ", ".join(f"{lr:g}" for lr in lrs) + ")"
-            cells.append(text + (f" (n={len(accs)})" if len(accs) > 1 else ""))
+        for L, p in cols:
+            cell = [r for r in runs if row(r) == m and (r["seq_len"], r["num_pairs"]) == (L, p)]
+            best = [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
+            if not best:
+                cells.append("-")
+                continue
+            text = f"{sum(r['test_acc'] for r in best) / len(best):.3f}"
+            text += " (lr " + ", ".join(f"{lr:.4g}" for lr in sorted({r["lr"] for r in best})) + ")"
+            cells.append(text + (f" (n={len(best)})" if len(best) > 1 else ""))
         params = next(r["num_params"] for r in runs if row(r) == m)
         lines.append(f"| {m} | {params / 1e3:.0f}k | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    lines += ["", "| model | point | seed | lr | train examples | valid acc | test acc | stop | epochs | steps | "
+              "examples seen | seconds | s/step | CPU s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {row(r)} | {r['point']} | {r['seed']} | {r['lr']:.4g} | {r['train_examples']:,} | "
+                     f"{r['valid_acc']:.3f} | {r['test_acc']:.3f} | {r['stop']} | {r['epochs_run']}/{r['epochs']} | "
+                     f"{r['steps']:,} | {r['examples_seen']:,} | {r['seconds']:.0f} | {r['s_per_step']:.3f} | "
+                     f"{r['cpu_s_per_step']:.3f} |")
+    lines += ["", "Devices: " + "; ".join(dict.fromkeys(r["device"] for r in runs))]
+    return "\n".join(lines) + "\n"
