@@ -107,6 +107,10 @@ def test_static_generate_runs_one_compiled_step_equal_to_eager_and_to_full_forwa
     with compiled_logits(model) as logits:  # the compiled steps' fp64 logits are the full forward's
         model.generate(ids, cache_implementation="static", **kwargs)
     assert_full_forward_logits(model, compiled.sequences[:, :-1], mask, logits)
+    uncompiled = model.generate(ids, cache_implementation="static", disable_compile=True, **kwargs)
+    assert torch.equal(uncompiled.sequences, eager.sequences)  # the static cache in eager mode
+    with pytest.raises(ValueError, match="prefill_chunk_size=None"):
+        model.generate(ids, cache_implementation="static", prefill_chunk_size=4, **kwargs)
     # The step's program holds at every position and for the next call: no recompilation.
     with torch._dynamo.config.patch(error_on_recompile=True):
         other, other_mask = prompts(model.config.vocab_size, seed=1, width=12, lengths=(12, 1, 6))

@@ -838,6 +838,11 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
                 or model_kwargs.get("past_key_values") is not None:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                          max_cache_length)
+        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+            raise ValueError("generate(cache_implementation='static') with prefill_chunk_size: transformers compiles "
+                             "the prefill's chunks then, and this model's prefill reads the position on the host (the "
+                             "scans plan their chunks with it); pass prefill_chunk_size=None (the prefill runs eagerly, "
+                             "the decoding steps compiled) or disable_compile=True")
         max_cache_length = max(max_cache_length, generation_config.max_cache_len or 0,
                                getattr(self, "_previous_max_cache_length", 0))
         self._previous_max_cache_length = max_cache_length
