@@ -188,3 +188,34 @@ def test_text_generation_pipeline_with_a_static_cache_in_fp32(model):
     assert torch.equal(compiled.sequences, eager.sequences)
     for got, expected in zip(compiled.logits, eager.logits):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_tensor_count_steps_as_the_python_count_and_compiles_once():
+    """One decoding step of the recurrence with the position in a 0-d tensor (a static cache's count): the chunk
+    boundary and the overflow guard select their factor with ``where``, bit for bit eager mode's ``if``, and compiled
+    at every offset from one program (padding, a restart, one row far out of range)."""
+    from bilinear_lm.modeling.dispatch import recurrence
+    from bilinear_lm.modeling.recurrence import CPTransition
+
+    g = torch.Generator().manual_seed(0)
+    B, N, H, R = 4, 2, 6, 5
+    W1, W2, h_start = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                       for shape in ((N, H, R), (N, H, R), (N, H)))
+    u = 1 + 0.1 * torch.randn(B, 1, N, R, generator=g, dtype=torch.float64)
+    h = torch.randn(B, N, H, generator=g, dtype=torch.float64)
+    h[3] *= 1e14  # its next state leaves the safe range: the guard normalizes it
+    mask, reset = torch.tensor([[1], [0], [1], [1]]), torch.tensor([[0], [1], [1], [0]], dtype=torch.bool)
+
+    def step(offset):
+        return recurrence(CPTransition(W1, W2), u, h, mask, 4, offset, "reference", reset=reset, h_start=h_start)[1]
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        compiled(torch.tensor(0))  # compiles, once for every offset
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for offset in range(8):  # offsets 3 and 7 end a chunk
+                want = step(offset)
+                assert torch.equal(step(torch.tensor(offset)), want)
+                got = compiled(torch.tensor(offset))
+                scale = want.abs().amax(-1, keepdim=True)  # row 3 is 1e14 times larger
+                torch.testing.assert_close(got / scale, want / scale, rtol=1e-13, atol=1e-13)
