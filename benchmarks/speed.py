@@ -13,6 +13,10 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
   utilization and the share of the bilinear step spent in the recurrence.
 - ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
   bilinear (recurrent state; and the ``hybrid-K`` of ``--models``) against Llama (KV cache).
+- ``compiled``: decoding ms/token eager (``BilinearCache``) against the compiled step of
+  ``generate(..., cache_implementation="static")`` (``BilinearStaticCache``), alternating in rounds, for every size
+  and context, bilinear and the ``hybrid-K`` of ``--models``; the first compiled call's seconds (compilation, from a
+  fresh Inductor cache unless ``--compile-cache``), prefill tokens/s, the weights' bytes per token over the time.
 - ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
   rank 256, batch 64, lengths 2-10).
 
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
+import os
 import re
 import time
 from pathlib import Path
@@ -42,7 +48,7 @@ SIZES = {
     "25M": dict(hidden_size=512, num_hidden_layers=8, num_heads=8, state_size=64, rank=64),
 }
 TRAIN_MODELS = ("bilinear", "bilinear-reference", "llama", "mamba", "lstm")
-PARTS = ("peak", "train", "generate", "probe")
+PARTS = ("peak", "train", "generate", "compiled", "probe")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -190,21 +196,38 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def decode_latency(model, context: int, new_tokens: int, prefill_chunk: int):
-    ids = torch.randint(0, VOCAB, (1, context))
-    cache = None
-    for start in range(0, context, prefill_chunk):  # chunked prefill keeps attention memory bounded
-        out = model(ids[:, start:start + prefill_chunk], past_key_values=cache, use_cache=True)
+def prefill(model, ids, chunk: int, cache=None):
+    """Run ``ids`` through the model in chunks of ``chunk`` (bounded attention memory): ``(cache, next token,
+    seconds)``."""
+    start = time.perf_counter()
+    for begin in range(0, ids.shape[1], chunk):
+        out = model(ids[:, begin:begin + chunk], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-    token = out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(new_tokens):
+    return cache, out.logits[:, -1:].argmax(-1), time.perf_counter() - start
+
+
+@torch.no_grad()
+def step_times(step, cache, token, steps: int, inputs=dict):
+    """Seconds of each of ``steps`` greedy decoding calls ``step(token, cache, **inputs())``, and the tokens."""
+    times, tokens = [], []
+    for _ in range(steps):
+        kwargs = inputs()
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = step(token, past_key_values=cache, use_cache=True, **kwargs)
         times.append(time.perf_counter() - start)
-        cache = out.past_key_values
         token = out.logits[:, -1:].argmax(-1)
-    return sorted(times)[len(times) // 2], cache_bytes(cache)
+        tokens.append(token)
+    return times, torch.cat(tokens, 1)
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def decode_latency(model, context: int, new_tokens: int, prefill_chunk: int):
+    cache, token, _ = prefill(model, torch.randint(0, VOCAB, (1, context)), prefill_chunk)
+    times, _ = step_times(model, cache, token, new_tokens)
+    return median(times), cache_bytes(cache)
 
 
 def part_generate(args):
@@ -225,6 +248,71 @@ def part_generate(args):
     lines += ["", f"Bilinear latency at {hi} / at {lo}: {latency[('bilinear', hi)] / latency[('bilinear', lo)]:.2f}x; "
               + ", ".join(f"Llama / bilinear at {c}: {latency[('llama', c)] / latency[('bilinear', c)]:.1f}x"
                           for c in args.contexts)]
+    return "\n".join(lines)
+
+
+def copy_bandwidth(n: int = 2 ** 26) -> float:
+    """Bytes/s of a large fp32 copy (read + write), this machine's memory bandwidth as torch reaches it."""
+    src, dst = torch.randn(n), torch.empty(n)
+    return 2 * 4 * n / timed(lambda: dst.copy_(src), 1.0, 20)
+
+
+def part_compiled(args):
+    """Decoding eager (``BilinearCache``, module code + C++ kernels) against the compiled step that
+    ``generate(..., cache_implementation="static")`` runs (``BilinearStaticCache``, one Inductor program per token),
+    side by side: rounds alternate the two on the same prompt, so drift hits both alike."""
+    from bilinear_lm.modeling import BilinearStaticCache
+
+    if not args.compile_cache:  # each row's first compiled call compiles from scratch, as on a fresh machine
+        import tempfile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="speed-inductor-")
+    bandwidth = copy_bandwidth()
+    lines = [f"Memory bandwidth (fp32 copy): {bandwidth / 1e9:.1f} GB/s. Weights GB/s: parameter bytes per token "
+             "over the compiled ms/token. The logit difference: eager and compiled after the same prefill (later "
+             "steps drift apart as a random model amplifies rounding).", "",
+             "| size | model | context | prefill tok/s | eager ms/token | compiled ms/token | speed-up | weights GB/s "
+             "| first compiled call s | first step: max abs logit difference |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rounds = 4
+    for size in args.sizes:
+        for name in ("bilinear", *(m for m in args.models if m.startswith("hybrid-"))):
+            torch.manual_seed(0)
+            model = build(name, size).eval()
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            prefill(model, torch.randint(0, VOCAB, (1, 64)), args.prefill_chunk)  # first calls' setup, untimed
+            for context in args.contexts:
+                ids = torch.randint(0, VOCAB, (1, context))
+                cache, token, seconds = prefill(model, ids, args.prefill_chunk)
+                max_cache_len = context + rounds * args.new_tokens + 1
+                static, _, _ = prefill(model, ids, args.prefill_chunk, BilinearStaticCache(model.config, max_cache_len))
+                torch._dynamo.reset()
+                compiled = model.get_compiled_call(model._default_compile_config())
+                position = itertools.count(context)
+
+                def inputs():  # what generate() passes: a mask and the position (a hybrid's rotary embedding)
+                    return {"attention_mask": torch.ones(1, 1, dtype=torch.long),
+                            "position_ids": torch.tensor([[next(position)]])}
+
+                with torch.no_grad():
+                    eager_logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+                    start = time.perf_counter()
+                    compiled_logits = compiled(token, past_key_values=static, use_cache=True, **inputs()).logits[:, -1]
+                    first = time.perf_counter() - start  # compiles
+                difference = (eager_logits - compiled_logits).abs().max().item()
+                eager_token, compiled_token = eager_logits.argmax(-1, keepdim=True), compiled_logits.argmax(-1, True)
+                eager_times, compiled_times = [], []
+                for _ in range(rounds):
+                    times, new = step_times(model, cache, eager_token, args.new_tokens)
+                    eager_times, eager_token = eager_times + times, new[:, -1:]
+                    times, new = step_times(compiled, static, compiled_token, args.new_tokens, inputs)
+                    compiled_times, compiled_token = compiled_times + times, new[:, -1:]
+                eager_ms, compiled_ms = median(eager_times) * 1e3, median(compiled_times) * 1e3
+                lines.append(f"| {size} | {name} | {context} | {context / seconds:.0f} | {eager_ms:.2f} | "
+                             f"{compiled_ms:.2f} | {eager_ms / compiled_ms:.2f}x | {weights / compiled_ms / 1e6:.1f} | "
+                             f"{first:.1f} | {difference:.1e} |")
+                print("  " + lines[-1], flush=True)
+            del model
+            gc.collect()
     return "\n".join(lines)
 
 
@@ -266,6 +354,8 @@ def main(argv=None):
     parser.add_argument("--contexts", type=csv(int), default=[128, 1024, 8192, 32768])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--compile-cache", action="store_true",
+                        help="compiled: keep Inductor's on-disk caches (default: a fresh one, a cold first call)")
     parser.add_argument("--output", type=Path, help="also write the tables to this markdown file (replaced)")
     args = parser.parse_args(argv)
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
@@ -288,6 +378,8 @@ def main(argv=None):
         tables.append("### Training throughput\n\n" + part_train(args, peaks))
     if "generate" in args.parts:
         tables.append("### Generation\n\n" + part_generate(args))
+    if "compiled" in args.parts:
+        tables.append("### Compiled decoding\n\n" + part_compiled(args))
     if "probe" in args.parts:
         tables.append("### Probe training (paper setup)\n\n" + part_probe(args))
     text = "\n\n".join(tables)

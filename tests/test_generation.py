@@ -130,6 +130,10 @@ def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=1e-5, atol=1e-6)
         assert torch.equal(model.generate(expected["ids"], max_new_tokens=5), expected["gen"])
+        # the compiled decoding step needs no kernels of the package either
+        assert torch.equal(model.generate(expected["ids"], max_new_tokens=5, cache_implementation="static"),
+                           expected["gen"])
+        assert hasattr(model, "_compiled_call")
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,

@@ -2,6 +2,8 @@
 ``__init__``) as remote code, so these modules import only torch, transformers and each other."""
 
 from .configuration_bilinear import BilinearConfig
-from .modeling_bilinear import BilinearCache, BilinearForCausalLM, BilinearModel, BilinearPreTrainedModel
+from .modeling_bilinear import (BilinearCache, BilinearForCausalLM, BilinearModel, BilinearPreTrainedModel,
+                                BilinearStaticCache)
 
-__all__ = ["BilinearCache", "BilinearConfig", "BilinearForCausalLM", "BilinearModel", "BilinearPreTrainedModel"]
+__all__ = ["BilinearCache", "BilinearConfig", "BilinearForCausalLM", "BilinearModel", "BilinearPreTrainedModel",
+           "BilinearStaticCache"]

@@ -3,13 +3,14 @@
 * :func:`recurrence` runs a sequence, ``(map, factors, h0, mask, chunk, offset, impl, ...) -> (states, final)``:
   a CP map (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other map the
   reference loop, and a single position (decoding) one :func:`~.recurrence.reference_step` (for a CP map on CPU
-  without gradients, its compiled twin ``cp_step``).
+  without gradients, eager, its C++ twin ``cp_step``; inside a compiled decoding step the PyTorch ops, which Inductor
+  fuses with the rest of the step).
   :func:`resolve_impl` picks the scan: ``"cpp"`` (the C++ CPU scan, ``bilinear_lm.kernels.cpu``, where the package
   is installed; CPU fp32/fp64), ``"triton"`` (``scan_triton``, CUDA; imported only when chosen), ``"torch"``
   (``scan``, any device) or ``"reference"`` (the loop itself).
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
-* :func:`linear` is how the modules apply their projections: a decoding step's few CPU rows take the compiled GEMV
-  (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working).
+* :func:`linear` is how the modules apply their projections: an eager decoding step's few CPU rows take the C++
+  GEMV (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working); a compiled one ``layer(x)``.
 
 The scans are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through them.
 """
@@ -43,10 +44,12 @@ SMALL_BATCH_ROWS = 4  # decoding: up to this many rows take the GEMV
 
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``, except that a plain ``nn.Linear`` (no hooks) on at most ``SMALL_BATCH_ROWS`` fp32/fp64 CPU rows
-    without gradients or autocast, a decoding step's projection, runs the compiled GEMV when the kernels are built
+    without gradients or autocast, a decoding step's projection, runs the C++ GEMV when the kernels are built
     (2-3x ``F.linear`` on the CPUs measured; docs/results.md). Anything else, adapters such as LoRA included, is
-    ``layer(x)``; this never builds the kernels."""
-    if x.numel() > SMALL_BATCH_ROWS * x.shape[-1] or torch.is_grad_enabled() or type(layer) is not nn.Linear:
+    ``layer(x)``, and so is everything inside a compiled graph (a pybind call would break it; Inductor plans the
+    projections with the rest of the step); this never builds the kernels."""
+    if x.numel() > SMALL_BATCH_ROWS * x.shape[-1] or torch.is_grad_enabled() or type(layer) is not nn.Linear \
+            or torch.compiler.is_compiling():  # a compiled step: Inductor plans the projections with the rest
         return layer(x)  # the common cases first: this runs for every projection
     kernel = loaded_cpu_kernels() if loaded_cpu_kernels is not None else None
     weight = layer.weight
@@ -203,10 +206,12 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
     """Run a mixer's recurrence over a sequence: ``(states [B, T, N, H], final [B, N, H])``.
 
     ``transition``: a :class:`~.recurrence.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; ``h_start``:
-    ``[N, H]``; the other arguments as in :func:`~.recurrence.reference_recurrence`. A single position runs one
-    :func:`~.recurrence.reference_step` (its overflow guard on whenever ``chunk > 0``), or for the CP map on CPU
-    without gradients (decoding) the compiled ``cp_step``; longer sequences of the CP map without additive input run
-    a rank-space scan, every other one the reference loop.
+    ``[N, H]``; the other arguments as in :func:`~.recurrence.reference_recurrence`, ``offset`` an int or a 0-d tensor
+    (a static cache's count). A single position runs one :func:`~.recurrence.reference_step` (its overflow guard on
+    whenever ``chunk > 0``; a tensor offset makes its boundary test a tensor op, nothing for a compiled step to branch
+    on), or for the CP map on CPU without gradients outside a compiled graph (eager decoding) the C++ ``cp_step``;
+    longer sequences of the CP map without additive input run a rank-space scan, every other one the reference loop
+    (both read a tensor offset on the host).
     """
     if impl not in IMPLS:
         raise ValueError(f"recurrence_impl must be one of {IMPLS}, got {impl!r}")
@@ -215,20 +220,22 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
     if factors.shape[1] == 1:
         h = h0.expand(B, *h0.shape[-2:])
         keep_t, reset_t = None if mask is None else mask[:, 0], None if reset is None else reset[:, 0]
-        if cp_map and not torch.is_grad_enabled() and impl in ("auto", "cpp") \
-                and _cpu_kernels_run_on(factors):  # the compiled step (decoding)
+        boundary = is_boundary(chunk, offset, 0)  # a 0-d tensor where the offset is one (a static cache's count)
+        if cp_map and not torch.is_grad_enabled() and impl in ("auto", "cpp") and not torch.compiler.is_compiling() \
+                and _cpu_kernels_run_on(factors):  # the C++ step (eager decoding)
             empty = torch.empty(0, dtype=torch.bool)
             h = load_cpu_kernels().cp_step(
                 factors[:, 0].contiguous(), h.contiguous(), transition.W1.contiguous(), transition.W2.contiguous(),
                 empty if keep_t is None else keep_t.bool().contiguous(),
                 empty if reset_t is None else reset_t.bool().contiguous(),
-                h if h_start is None else h_start.contiguous(), is_boundary(chunk, offset, 0), chunk > 0, SAFE_MIN,
-                SAFE_MAX)[0]
-        else:
-            h = reference_step(transition, factors[:, 0], h, keep_t, is_boundary(chunk, offset, 0), guard=chunk > 0,
+                h if h_start is None else h_start.contiguous(), bool(boundary), chunk > 0, SAFE_MIN, SAFE_MAX)[0]
+        else:  # in a compiled step: PyTorch ops, which Inductor fuses with the rest of the step
+            h = reference_step(transition, factors[:, 0], h, keep_t, boundary, guard=chunk > 0,
                                additive_t=None if additive is None else additive[:, 0], reset_t=reset_t,
                                h_start=h_start)
         return h[:, None], h
+    if isinstance(offset, torch.Tensor):
+        offset = int(offset)  # a static cache's count, read on the host: the scans and the loop plan chunks with it
     if cp_map:
         return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)
     return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive, reset, h_start)

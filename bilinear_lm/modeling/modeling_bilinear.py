@@ -5,15 +5,17 @@ blocks (``config.layer_types``) among the bilinear ones, all on transformers' ``
 transformers and same-folder modules.
 """
 
+import copy
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import CompileConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, DynamicCache,
+                                      LinearAttentionLayer, StaticCache, StaticLayer, StaticSlidingWindowLayer)
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -38,7 +40,7 @@ class BilinearLayerCache(LinearAttentionLayer):
     ``get_seq_length`` need the count), marks a state as present only after a conv update (a layer without a
     convolution makes none), and copies each new state into the first one's storage for CUDA graphs, which would break
     backpropagation through a carried state and the dtype of a state that changes with the input's: here a new state
-    replaces the old one (so the layer is not compileable).
+    replaces the old one (so the layer is not compileable; :class:`BilinearStaticLayerCache` is).
     """
 
     is_compileable = False
@@ -65,42 +67,123 @@ class BilinearLayerCache(LinearAttentionLayer):
         self.cumulative_length = 0
 
 
+class BilinearStaticLayerCache(LinearAttentionLayer):
+    """A bilinear layer's entry in :class:`BilinearStaticCache`, for a compiled decoding step: transformers'
+    ``LinearAttentionLayer`` (fixed buffers allocated at the first update, outside a graph, and written in place,
+    marked as static addresses for CUDA graphs), with the positions consumed in a 0-d tensor advanced in place, so
+    that a compiled step reads no Python number that changes with the position (it would compile again at every
+    token). Inference only: an in-place state carries no gradient from one call to the next."""
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int | None = None, **kwargs):  # a state has no length: max_cache_len unused
+        super().__init__(**kwargs)
+        self.cumulative_length = torch.tensor(0)
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Store the convolution's new window (the whole window: the model passes its last ``conv_width - 1``
+        inputs)."""
+        if not self.is_conv_states_initialized[state_idx]:
+            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
+        self.conv_states[state_idx].copy_(conv_states)
+        self.has_previous_state[state_idx] = True
+        return self.conv_states[state_idx]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, num_positions: int = 0,
+                               **kwargs) -> torch.Tensor:
+        """Store the state after ``num_positions`` more positions."""
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+            self.cumulative_length = self.cumulative_length.to(recurrent_states.device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.cumulative_length)
+        self.recurrent_states[state_idx].copy_(recurrent_states)
+        self.has_previous_state[state_idx] = True
+        self.cumulative_length.add_(num_positions)
+        return self.recurrent_states[state_idx]
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Number of positions consumed so far (padding included): a 0-d tensor once a state is stored."""
+        return self.cumulative_length if self.is_recurrent_states_initialized[0] else 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length.zero_()
+
+
 DYNAMIC_LAYER_TYPE_MAPPING["bilinear"] = BilinearLayerCache  # DynamicCache(config) builds it for layer_types "bilinear"
+STATIC_LAYER_TYPE_MAPPING["bilinear"] = BilinearStaticLayerCache  # and StaticCache(config, max_cache_len) this one
 
 
-class BilinearCache(DynamicCache):
-    """transformers' ``DynamicCache`` built from ``config.layer_types``: a :class:`BilinearLayerCache` per bilinear
-    layer, ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` per attention layer (O(1) memory in sequence length
-    without full attention). ``generate()`` receives it as ``past_key_values``; beam search reorders it in place.
+class BilinearStaticSlidingWindowLayer(StaticSlidingWindowLayer):
+    """A sliding attention layer's entry in :class:`BilinearStaticCache`: the last ``sliding_window - 1`` keys and
+    values (what the dynamic layer keeps), right-aligned in fixed buffers, and the count in a 0-d tensor.
 
-    Subclassed for what belongs to the whole model rather than to a layer, reordered with the layers:
-    ``follows_eos`` (``[batch]`` bool, ``reset_state_at_eos``: the last token was EOS) and ``document_start``
-    (``[batch]`` long: where the current document began, which the attention layers' mask needs); for the attention
-    layers' convolution windows (``attention_conv_windows``: layer index -> ``[batch, conv_width - 1, hidden]``),
-    for which transformers' attention cache layers have no place (``conv_window`` / ``set_conv_window`` read and
-    write any layer's window); and for ``get_seq_length``, which ``DynamicCache`` asks of an attention layer,
-    absent from a pure bilinear model: here every layer answers.
-    """
+    transformers' ``StaticSlidingWindowLayer`` counts in a Python int and branches on it (full or not), which a
+    compiled step would specialize on at every position. Here every update is the same code: the keys returned are
+    the buffer's ``sliding_window - 1`` followed by the new ones (``get_mask_sizes``: that many, from position
+    ``count - (sliding_window - 1)``, negative before the window fills: the model's mask hides those), and the buffer
+    keeps the last ``sliding_window - 1`` of them."""
 
-    def __init__(self, config: BilinearConfig):
-        super().__init__(config=config)
+    def __init__(self, max_cache_len: int, sliding_window: int, **kwargs):
+        StaticLayer.__init__(self, max_cache_len=sliding_window - 1)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length.add_(key_states.shape[-2])
+        keys, values = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        kept = keys.shape[-2] - self.max_cache_len
+        self.keys.copy_(keys[:, :, kept:])
+        self.values.copy_(values[:, :, kept:])
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int | torch.Tensor]:
+        return self.max_cache_len + query_length, self.get_seq_length() - self.max_cache_len
+
+    get_seq_length = StaticLayer.get_seq_length  # the tensor count (the parent class's is its Python int)
+
+
+class BilinearCacheMixin:
+    """What :class:`BilinearCache` and :class:`BilinearStaticCache` add to transformers' caches, for what belongs to
+    the whole model rather than to a layer, reordered with the layers: ``follows_eos`` (``[batch]`` bool,
+    ``reset_state_at_eos``: the last token was EOS) and ``document_start`` (``[batch]`` long: where the current
+    document began, which the attention layers' mask needs), both written with :meth:`carry`; the attention layers'
+    convolution windows (``attention_conv_windows``: layer index -> ``[batch, conv_width - 1, hidden]``), for which
+    transformers' attention cache layers have no place (``conv_window`` / ``set_conv_window`` read and write any
+    layer's window); and ``get_seq_length``, which transformers' caches ask of an attention layer, absent from a pure
+    bilinear model: here every layer answers."""
+
+    def _init_model_state(self) -> None:
         self.follows_eos: torch.Tensor | None = None
         self.document_start: torch.Tensor | None = None
         self.attention_conv_windows: dict[int, torch.Tensor] = {}
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def _keep(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """What a carried tensor becomes: ``new`` here (the static cache copies it into ``old``'s buffer)."""
+        return new
+
+    def carry(self, name: str, value: torch.Tensor) -> None:
+        """Store ``follows_eos`` or ``document_start``."""
+        setattr(self, name, self._keep(getattr(self, name), value))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Number of positions consumed so far (padding included)."""
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Select batch rows in place (beam search)."""
-        super().reorder_cache(beam_idx)
-        if self.follows_eos is not None:
-            self.follows_eos = self.follows_eos.index_select(0, beam_idx.to(self.follows_eos.device))
-        if self.document_start is not None:
-            self.document_start = self.document_start.index_select(0, beam_idx.to(self.document_start.device))
+        """Select batch rows (beam search): the layers' (transformers' ``reorder_cache``), then the model's state."""
+        self._reorder_layers(beam_idx)
+        for name in ("follows_eos", "document_start"):
+            value = getattr(self, name)
+            if value is not None:
+                self.carry(name, value.index_select(0, beam_idx.to(value.device)))
         for layer_idx, window in self.attention_conv_windows.items():
-            self.attention_conv_windows[layer_idx] = window.index_select(0, beam_idx.to(window.device))
+            selected = window.index_select(0, beam_idx.to(window.device))
+            self.attention_conv_windows[layer_idx] = self._keep(window, selected)
+
+    def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
 
     def conv_window(self, layer_idx: int) -> torch.Tensor | None:
         """Layer ``layer_idx``'s convolution window, ``[batch, conv_width - 1, hidden]``, or None before the first."""
@@ -114,8 +197,82 @@ class BilinearCache(DynamicCache):
         if isinstance(self.layers[layer_idx], LinearAttentionLayer):
             self.update_conv_state(window.transpose(1, 2), layer_idx)  # the library's layout: time last
         else:
-            self.attention_conv_windows[layer_idx] = window
+            self.attention_conv_windows[layer_idx] = self._keep(self.attention_conv_windows.get(layer_idx), window)
 
+
+class BilinearCache(BilinearCacheMixin, DynamicCache):
+    """transformers' ``DynamicCache`` built from ``config.layer_types``: a :class:`BilinearLayerCache` per bilinear
+    layer, ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` per attention layer (O(1) memory in sequence length
+    without full attention), plus the model's own state (:class:`BilinearCacheMixin`). ``generate()`` receives it as
+    ``past_key_values``; beam search reorders it in place."""
+
+    def __init__(self, config: BilinearConfig):
+        super().__init__(config=config)
+        self._init_model_state()
+
+
+class BilinearStaticCache(BilinearCacheMixin, StaticCache):
+    """transformers' ``StaticCache`` built from ``config.layer_types``, what ``generate(...,
+    cache_implementation="static")`` builds and runs a compiled decoding step on (on CPU too): a
+    :class:`BilinearStaticLayerCache` per bilinear layer, ``StaticLayer`` (``max_cache_len`` keys) per full
+    attention layer and :class:`BilinearStaticSlidingWindowLayer` per sliding one, plus the model's state
+    (:class:`BilinearCacheMixin`) and ``key_padding`` (``[batch, max_cache_len]`` bool, each position's padding
+    mask, which the attention layers' masks read: a compiled step takes only its own positions' mask, of a fixed
+    shape). Every tensor lives in a buffer allocated by the first (eager) call and updated in place, positions are
+    counted in tensors: a compiled step's program runs at every position. Without attention layers nothing has a
+    length: ``max_cache_len`` limits nothing."""
+
+    def __init__(self, config: BilinearConfig, max_cache_len: int, **kwargs):
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        self.layers = [BilinearStaticSlidingWindowLayer(max_cache_len, config.sliding_window)
+                       if isinstance(layer, StaticSlidingWindowLayer) else layer for layer in self.layers]
+        self.max_cache_len = max_cache_len
+        self.key_padding: torch.Tensor | None = None
+        self._init_model_state()
+
+    def _keep(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """Copy ``new`` into ``old``'s buffer (allocated from the first value, outside a graph)."""
+        if old is None:
+            old = new.clone(memory_format=torch.contiguous_format)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(old)
+            return old
+        return old.copy_(new)
+
+    def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
+        """Select batch rows in every layer's buffers and ``key_padding``, in place (transformers' static layers
+        would replace their buffers)."""
+        tensors = [self.key_padding]
+        for layer in self.layers:
+            tensors += [*getattr(layer, "recurrent_states", {}).values(), *getattr(layer, "conv_states", {}).values(),
+                        getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for tensor in tensors:
+            if tensor is not None:
+                tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def visible_keys(self, inputs_embeds: torch.Tensor, mask: torch.Tensor | None, offset: int | torch.Tensor,
+                     same_document=None):
+        """Record the padding of this call's positions ``offset .. offset + T - 1`` (``mask`` ``[B, T]``, or None:
+        none padded) in ``key_padding`` and return the attention layers' mask function (transformers'
+        ``and_mask_function``): a key is visible where its position is not padding (nor before the stream: a sliding
+        layer's window starts at a negative position until it fills) and, with ``same_document``, in the query's
+        document."""
+        B, T = inputs_embeds.shape[:2]
+        if not torch.compiler.is_compiling() and int(offset) + T > self.max_cache_len:
+            raise ValueError(f"BilinearStaticCache: {int(offset) + T} positions do not fit max_cache_len="
+                             f"{self.max_cache_len} (the attention layers' key buffers); build the cache larger "
+                             "(generate() sizes it to max_length, or pass max_cache_len)")
+        new = torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device) if mask is None else mask.bool()
+        if self.key_padding is None:
+            self.key_padding = self._keep(None, new.new_zeros(B, self.max_cache_len))
+        self.key_padding.index_copy_(1, torch.arange(T, device=new.device) + offset, new)
+        padding = self.key_padding
+
+        def visible(batch_idx, head_idx, q_idx, kv_idx):
+            seen = (kv_idx >= 0) & padding[batch_idx, kv_idx.clamp(min=0)]
+            return seen if same_document is None else seen & same_document(batch_idx, head_idx, q_idx, kv_idx)
+
+        return visible
 
 @dataclass
 class BilinearModelOutput(BaseModelOutputWithPast):
@@ -541,15 +698,19 @@ class BilinearModel(BilinearPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, document_start):
+    def attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, document_start, offset=0):
         """transformers' mask for each attention layer type present (``{"full_attention": ...,
-        "sliding_attention": ...}``) from the whole sequence's 2D ``attention_mask``; ``document_start`` (``[B, T]``
-        absolute positions, or None) restricts each query to the keys of its own document."""
-        offset = cache.get_seq_length() if cache is not None else 0
+        "sliding_attention": ...}``) from the whole sequence's 2D ``attention_mask`` (with a
+        :class:`BilinearStaticCache`: this call's, the cache keeping the earlier positions'); ``document_start``
+        (``[B, T]`` absolute positions, or None) restricts each query to the keys of its own document; ``offset``: the
+        positions consumed before this call."""
         same_document = None
         if document_start is not None:
             def same_document(batch_idx, head_idx, q_idx, kv_idx):
                 return kv_idx >= document_start[batch_idx, q_idx - offset]
+        if isinstance(cache, BilinearStaticCache):  # the padding of every position so far is in the cache
+            mask = None if attention_mask is None else attention_mask[:, -inputs_embeds.shape[1]:]
+            attention_mask, same_document = None, cache.visible_keys(inputs_embeds, mask, offset, same_document)
         kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       past_key_values=cache, position_ids=position_ids, and_mask_function=same_document)
         make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -590,11 +751,20 @@ class BilinearModel(BilinearPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if use_cache and past_key_values is None:
             past_key_values = BilinearCache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, BilinearCacheMixin):
+            raise TypeError(f"BilinearModel.forward: past_key_values is a {type(past_key_values).__name__}; pass a "
+                            "BilinearCache(config) or BilinearStaticCache(config, max_cache_len) (or None: the model "
+                            "builds one), which hold the model's own state besides the layers'")
+        static = isinstance(past_key_values, BilinearStaticCache)
         B, T = inputs_embeds.shape[:2]
         offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if isinstance(offset, torch.Tensor):  # a static cache's count, which its layers advance in place as they run
+            offset = offset.clone()
         mask = None
         if attention_mask is not None:
-            check_attention_mask(attention_mask, (B, T), offset, bool(self.attention_types))
+            if not torch.compiler.is_compiling():  # a graph's shapes are fixed, and its count is a tensor
+                # a static cache holds its attention layers' key padding: this call's columns suffice
+                check_attention_mask(attention_mask, (B, T), int(offset), bool(self.attention_types) and not static)
             # generate() passes the mask of the whole sequence so far: keep the columns of this call.
             mask = attention_mask[:, -T:]
             # Eager mode drops an all-ones mask (the unmasked path is faster). Not while compiling or exporting: the
@@ -606,20 +776,21 @@ class BilinearModel(BilinearPreTrainedModel):
             reset, follows_eos = document_starts(
                 input_ids, self.config.eos_token_id, mask, None if past_key_values is None else past_key_values.follows_eos)
             if past_key_values is not None:
-                past_key_values.follows_eos = follows_eos
+                past_key_values.carry("follows_eos", follows_eos)
 
         if self.attention_types:
+            positions = torch.arange(T, device=inputs_embeds.device) + offset
             if position_ids is None:
-                position_ids = torch.arange(offset, offset + T, device=inputs_embeds.device).expand(B, T)
+                position_ids = positions.expand(B, T)
             document_start = None
             if reset is not None:
-                positions = torch.arange(offset, offset + T, device=reset.device)
                 carried = past_key_values.document_start if past_key_values is not None \
                     and past_key_values.document_start is not None else reset.new_zeros(B, dtype=torch.long)
                 document_start = torch.maximum(torch.where(reset, positions, -1).cummax(dim=1).values, carried[:, None])
                 if past_key_values is not None:
-                    past_key_values.document_start = document_start[:, -1]
-            masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, document_start)
+                    past_key_values.carry("document_start", document_start[:, -1])
+            masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, document_start,
+                                         offset)
             position_embeddings = (None if self.rotary_emb is None  # use_rope=False
                                    else self.rotary_emb(inputs_embeds, position_ids))
 
@@ -663,6 +834,55 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
+
+    # generate(..., cache_implementation="static"): a BilinearStaticCache and one compiled program per decoding step,
+    # on CPU as on a GPU (transformers compiles only on accelerators). The default generate() stays eager.
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """``cache_implementation="static"`` builds a :class:`BilinearStaticCache` of ``max_cache_length`` positions
+        (or ``generation_config.max_cache_len``, or the largest of an earlier call: the same shapes reuse the compiled
+        step); otherwise transformers' own preparation, which builds no cache for this model
+        (``_supports_default_dynamic_cache``: the model builds its :class:`BilinearCache` on the first call)."""
+        if generation_config.cache_implementation != "static" or generation_config.use_cache is False \
+                or model_kwargs.get("past_key_values") is not None:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                         max_cache_length)
+        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+            raise ValueError("generate(cache_implementation='static') with prefill_chunk_size: transformers compiles "
+                             "the prefill's chunks then, and this model's prefill reads the position on the host (the "
+                             "scans plan their chunks with it); pass prefill_chunk_size=None (the prefill runs eagerly, "
+                             "the decoding steps compiled) or disable_compile=True")
+        max_cache_length = max(max_cache_length, generation_config.max_cache_len or 0,
+                               getattr(self, "_previous_max_cache_length", 0))
+        self._previous_max_cache_length = max_cache_length
+        model_kwargs["past_key_values"] = BilinearStaticCache(self.config, max_cache_len=max_cache_length)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, **kwargs):
+        """What ``generate()`` passes as ``attention_mask`` with a compileable cache, where transformers would build the
+        attention layers' 4D masks outside the compiled step: the 2D mask's columns of this call, a fixed shape. The
+        model builds its masks in the step (:meth:`BilinearModel.attention_masks`), the cache holding the earlier
+        positions' padding."""
+        return None if attention_mask is None else attention_mask[:, -inputs_embeds.shape[1]:]
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers' criteria (a compileable cache that is not a plain ``DynamicCache``, no ``disable_compile``,
+        no quantizer or offloading), on CPU too for a :class:`BilinearStaticCache`: transformers compiles on
+        accelerators only."""
+        if isinstance(model_kwargs.get("past_key_values"), BilinearStaticCache) and self.device.type == "cpu":
+            generation_config = copy.copy(generation_config)
+            generation_config.compile_config = copy.copy(generation_config.compile_config
+                                                         or self._default_compile_config())
+            generation_config.compile_config._compile_all_devices = True
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _default_compile_config(self) -> CompileConfig:
+        """How ``generate()`` compiles the decoding step unless ``compile_config`` says otherwise: one graph
+        (``fullgraph``: a graph break is an error) of fixed shapes; on a GPU captured into a CUDA graph
+        (``mode="reduce-overhead"``), on CPU Inductor's C++ (docs/architecture.md, compiled decoding)."""
+        if self.device.type == "cpu":
+            return CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        return CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
 
     @can_return_tuple
     def forward(
@@ -712,4 +932,5 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["BilinearCache", "BilinearLayerCache", "BilinearModel", "BilinearForCausalLM", "BilinearPreTrainedModel"]
+__all__ = ["BilinearCache", "BilinearLayerCache", "BilinearModel", "BilinearForCausalLM", "BilinearPreTrainedModel",
+           "BilinearStaticCache", "BilinearStaticLayerCache"]

@@ -91,8 +91,9 @@ def scale_at_boundary(h, keep_t):
     return scale
 
 
-def is_boundary(chunk: int, offset: int, t: int) -> bool:
-    """Whether step ``t`` (position ``offset + t + 1`` of the stream) ends with a chunked normalization."""
+def is_boundary(chunk: int, offset, t: int):
+    """Whether step ``t`` (position ``offset + t + 1`` of the stream) ends with a chunked normalization: a bool, or a
+    0-d bool tensor where ``offset`` is a tensor (a static cache's count, which a compiled step must not branch on)."""
     return chunk > 0 and (offset + t + 1) % chunk == 0
 
 
@@ -166,9 +167,11 @@ def reference_step(transition: Callable, factors_t, h, keep_t=None, boundary: bo
                    additive_t=None, reset_t=None, h_start=None):
     """One step of :func:`reference_recurrence` (decoding): ``(h [B,N,H], factors_t [B,N,F]) -> h_new [B,N,H]``.
 
-    ``keep_t``: ``[B]`` bool or None (padded rows keep ``h``); ``boundary``: this position ends a chunk; ``guard``:
-    renormalize a (row, head) whose new state left the safe range (the loop's guard on a one-step segment; on
-    whenever ``chunk > 0``); ``reset_t``: ``[B]`` bool or None, rows that start from ``h_start`` (unless padded).
+    ``keep_t``: ``[B]`` bool or None (padded rows keep ``h``); ``boundary``: this position ends a chunk (a bool, or a
+    0-d bool tensor, which selects the factor with ``torch.where`` instead of a branch: the same arithmetic, and
+    nothing for a compiled step to branch on); ``guard``: renormalize a (row, head) whose new state left the safe
+    range (the loop's guard on a one-step segment; on whenever ``chunk > 0``); ``reset_t``: ``[B]`` bool or None, rows
+    that start from ``h_start`` (unless padded).
     """
     keep = None if keep_t is None else keep_t.bool()[:, None, None]
     h_prev = h
@@ -180,6 +183,9 @@ def reference_step(transition: Callable, factors_t, h, keep_t=None, boundary: bo
         h_new = h_new + additive_t
     if keep is not None:
         h_new = torch.where(keep, h_new, h)
+    if isinstance(boundary, torch.Tensor):
+        renormalize = boundary | ~in_safe_range(h_new)[..., None] if guard else boundary
+        return h_new * torch.where(renormalize, scale_at_boundary(h_new, keep), 1.0)
     if boundary:
         return h_new * scale_at_boundary(h_new, keep)
     if guard:
