@@ -13,14 +13,17 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling import BilinearStaticCache
+from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
 from fixtures import cached_tokenizer
 
 STEPS = 8
 # The hybrid's fp64 model has no rotary embedding: Llama's rotary tables are fp32, and Inductor's cos and sin differ
 # from ATen's by an ulp (logits within 1e-7 relative); the fp32 test runs it with them.
+# The hybrid's bilinear layer has memory heads too.
 LAYOUTS = {"pure": {},
            "hybrid": {"num_hidden_layers": 3, "num_key_value_heads": 1, "sliding_window": 3, "use_rope": False,
-                      "layer_types": ["bilinear", "full_attention", "sliding_attention"]}}
+                      "layer_types": ["bilinear", "full_attention", "sliding_attention"],
+                      "memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3}}
 
 
 def graphs() -> int:
@@ -31,7 +34,7 @@ def graphs() -> int:
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def model(request):
     """A fp64 model with every kind of cached state (convolutions with random weights, resets at EOS, in the hybrid
-    attention layers with a static KV cache and a sliding window of 3), on the test tokenizer's vocabulary. It never
+    memory heads and attention layers with a static KV cache and a sliding window of 3), on the test tokenizer's vocabulary. It never
     stops at EOS (its generation config has none), so every row runs ``STEPS`` compiled steps."""
     tokenizer = cached_tokenizer()
     eos = tokenizer.eos_token_id
@@ -41,8 +44,9 @@ def model(request):
                                       num_attention_heads=2), **LAYOUTS[request.param]})
     torch.manual_seed(0)
     model = BilinearForCausalLM(config).double().eval()
-    for layer in model.model.layers:  # zero at init: the identity would hide a wrong window
-        torch.nn.init.normal_(layer.conv.weight, std=0.5)
+    for module in model.modules():  # zero at init: the identity would hide a wrong window
+        if isinstance(module, BilinearShortConv):
+            torch.nn.init.normal_(module.weight, std=0.5)
     model.generation_config.eos_token_id = None
     model.generation_config.max_cache_len = 64  # one cache shape for every test: the hybrid's KV buffers
     return model

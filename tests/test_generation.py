@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bilinear_lm import BilinearCache, BilinearForCausalLM
+from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
 
 PAD = 0
 
@@ -18,18 +19,23 @@ HYBRIDS = [{"layer_types": ["bilinear", "full_attention"], "conv_width": 3, "num
            {"layer_types": ["sliding_attention", "bilinear"], "sliding_window": 4}]
 
 
-@pytest.fixture(params=[{}, {"conv_width": 3}, *HYBRIDS], ids=["pure", "conv3", "hybrid", "hybrid-sliding"])
+MEMORY = {"conv_width": 3, "memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3}
+
+
+@pytest.fixture(params=[{}, {"conv_width": 3}, MEMORY, *HYBRIDS], ids=["pure", "conv3", "memory", "hybrid",
+                                                                        "hybrid-sliding"])
 def model(request, tiny_bilinear_config):
-    """The tiny model, the same with the ablations that add cached state (the convolution gets random weights: at
-    init it is the identity, which would hide a wrong cache), and hybrids with a full or sliding attention layer."""
+    """The tiny model, the same with what adds cached state (convolutions, memory heads; the convolutions get random
+    weights: at init they are the identity, which would hide a wrong cache), and hybrids with a full or sliding
+    attention layer."""
     torch.manual_seed(0)
     tiny_bilinear_config.pad_token_id = PAD
     for key, value in request.param.items():
         setattr(tiny_bilinear_config, key, value)
     model = BilinearForCausalLM(tiny_bilinear_config).double().eval()
-    for layer in model.model.layers:
-        if getattr(layer, "conv", None) is not None:
-            torch.nn.init.normal_(layer.conv.weight, std=0.5)
+    for module in model.modules():
+        if isinstance(module, BilinearShortConv):
+            torch.nn.init.normal_(module.weight, std=0.5)
     return model
 
 
@@ -105,6 +111,10 @@ def test_beam_search_runs_and_beats_or_ties_greedy(model):
 
 
 def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
+    """A checkpoint with memory heads (every module of the model: their recurrence is a file of its own) runs as
+    remote code, eager and compiled, with the package's logits and tokens."""
+    for key, value in MEMORY.items():
+        setattr(tiny_bilinear_config, key, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_bilinear_config).eval()
     model.save_pretrained(tmp_path / "ckpt")

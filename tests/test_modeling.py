@@ -247,7 +247,7 @@ def test_torch_compile_traces_a_training_step_of_a_preset_in_one_graph(preset, c
 
 
 CONV_AND_RESETS = {"conv_width": 3, "reset_state_at_eos": True, "eos_token_id": 3, "num_hidden_layers": 1,
-                   "layer_types": ["bilinear"]}
+                   "layer_types": ["bilinear"], "memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3}
 HYBRID = {**CONV_AND_RESETS, "num_hidden_layers": 3, "sliding_window": 3, "num_key_value_heads": 2,
           "layer_types": ["bilinear", "full_attention", "sliding_attention"]}
 
@@ -255,9 +255,9 @@ HYBRID = {**CONV_AND_RESETS, "num_hidden_layers": 3, "sliding_window": 3, "num_k
 @pytest.mark.parametrize("changes", [CONV_AND_RESETS, HYBRID], ids=["pure", "hybrid"])
 def test_export_and_compile_with_an_attention_mask_give_eager_logits(tiny_bilinear_config, changes):
     """An ``attention_mask`` (every tokenizer output carries one) leaves the forward traceable end to end (the
-    convolution, resets at EOS and, in the hybrid, the attention masks with documents): ``torch.export`` succeeds and
-    ``torch.compile(fullgraph=True)`` makes one graph (Dynamo's, where a data-dependent branch breaks it; export
-    traces the ATen graph). Nothing branches on the mask's values: the program exported
+    convolution, resets at EOS, memory heads and, in the hybrid, the attention masks with documents): ``torch.export``
+    succeeds and ``torch.compile(fullgraph=True)`` makes one graph (Dynamo's, where a data-dependent branch breaks it;
+    export traces the ATen graph). Nothing branches on the mask's values: the program exported
     and the model compiled with one left-padded mask give eager's logits for it, for another padding and for an
     all-ones mask (which eager drops). Exported without the cache (``BilinearCache`` is no pytree), compiled with it."""
     model = build(with_changes(tiny_bilinear_config, **changes))

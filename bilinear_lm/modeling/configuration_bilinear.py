@@ -80,6 +80,15 @@ class BilinearConfig(PreTrainedConfig):
     `interleaved_layer_types(num_hidden_layers, k)` puts attention on every k-th layer. With `reset_state_at_eos`
     the attention layers do not attend across an EOS either.
 
+    `memory_heads > 0` adds memory heads to every bilinear mixer, beside its `num_heads` tracking heads: each holds a
+    matrix `S` (`memory_value_size x memory_key_size`) and a homogeneous coordinate `c`, written by a projective gated
+    delta rule `S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t c v_t k_t^T` (`alpha` in (0, 1], `beta` in
+    (0, 2), unit keys; `S / c` is the gated delta rule with negative eigenvalues, a non-expansive memory) and read by a
+    query, `S_t q_t / c` (RMS-normalized, gated). Queries, keys and values pass a short causal convolution of
+    `memory_conv_width` (with a residual, as `conv_width`'s). The update has no additive term in `[S; c]`, so the
+    chunked normalization divides the memory by its own norm (never jointly with the tracking state) without changing
+    an output. The tracking heads stay the bilinear heads of `mixer_type`.
+
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """
 
@@ -95,6 +104,10 @@ class BilinearConfig(PreTrainedConfig):
     block_size: int = 2
     additive_input: bool = False
     conv_width: int = 0
+    memory_heads: int = 0
+    memory_key_size: int = 32
+    memory_value_size: int = 32
+    memory_conv_width: int = 4
     reset_state_at_eos: bool = False
     norm_chunk_size: int = 64
     recurrence_impl: str = "auto"
@@ -164,6 +177,18 @@ class BilinearConfig(PreTrainedConfig):
                 or self.conv_width == 1:
             raise ValueError(f"BilinearConfig.conv_width must be 0 (no convolution) or an integer >= 2, "
                              f"got {self.conv_width!r}")
+        if isinstance(self.memory_heads, bool) or not isinstance(self.memory_heads, int) or self.memory_heads < 0:
+            raise ValueError(f"BilinearConfig.memory_heads must be an integer >= 0 (0: no memory heads), "
+                             f"got {self.memory_heads!r}")
+        if self.memory_heads:
+            for name in ("memory_key_size", "memory_value_size"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"BilinearConfig.{name} must be a positive integer, got {value!r}")
+            width = self.memory_conv_width
+            if isinstance(width, bool) or not isinstance(width, int) or width < 2:
+                raise ValueError(f"BilinearConfig.memory_conv_width must be an integer >= 2 (the memory heads' short "
+                                 f"convolution), got {width!r}")
         if self.mixer_type not in MIXER_TYPES:
             raise ValueError(f"BilinearConfig.mixer_type must be one of {MIXER_TYPES}, got {self.mixer_type!r}")
         if self.recurrence_impl not in RECURRENCE_IMPLS:

@@ -8,6 +8,8 @@
   :func:`resolve_impl` picks the scan: ``"cpp"`` (the C++ CPU scan, ``bilinear_lm.kernels.cpu``, where the package
   is installed; CPU fp32/fp64), ``"triton"`` (``scan_triton``, CUDA; imported only when chosen), ``"torch"``
   (``scan``, any device) or ``"reference"`` (the loop itself).
+* :func:`memory_recurrence` runs the memory heads' gated delta rule: the chunked form (``delta_rule``) for a sequence,
+  the loop's step for one position or ``impl="reference"``.
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
 * :func:`linear` is how the modules apply their projections: an eager decoding step's few CPU rows take the C++
   GEMV (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working); a compiled one ``layer(x)``.
@@ -22,7 +24,9 @@ import torch
 from torch import nn
 
 from .configuration_bilinear import RECURRENCE_IMPLS as IMPLS
-from .recurrence import SAFE_MAX, SAFE_MIN, CPTransition, is_boundary, reference_recurrence, reference_step
+from .delta_rule import chunk_delta_rule
+from .recurrence import SAFE_MAX, SAFE_MIN, CPTransition, is_boundary, reference_delta_rule, reference_recurrence, \
+    reference_step
 from .scan import scan_backward as torch_scan_backward
 from .scan import scan_forward as torch_scan_forward
 
@@ -239,3 +243,14 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
     if cp_map:
         return cp_recurrence(factors, transition.W1, transition.W2, h0, mask, chunk, offset, impl, reset, h_start)
     return reference_recurrence(transition, factors, h0, mask, chunk, offset, additive, reset, h_start)
+
+
+def memory_recurrence(q, k, v, g, beta, memory, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto",
+                      reset=None):
+    """Run the memory heads over a sequence: ``(outputs [B, T, N, Dv], (S, c))`` as
+    :func:`~.recurrence.reference_delta_rule` (same arguments; ``offset`` an int or a 0-d tensor). ``impl="reference"``
+    and a single position run its loop (a tensor offset stays a tensor: nothing for a compiled step to branch on);
+    every other ``impl`` the chunked PyTorch form (``delta_rule.chunk_delta_rule``), on any device."""
+    if impl == "reference" or q.shape[1] == 1:
+        return reference_delta_rule(q, k, v, g, beta, memory, mask, chunk, offset, reset)
+    return chunk_delta_rule(q, k, v, g, beta, memory, mask, chunk, int(offset), reset)

@@ -25,16 +25,22 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_bilinear import BilinearConfig
-from .dispatch import linear
+from .dispatch import linear, memory_recurrence
 from .transitions import TRANSITIONS, Transition
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
+# A bilinear layer's cached states (transformers' state_idx): recurrent 0 the tracking heads' state, 1 and 2 the
+# memory heads' matrix S and coordinate c; conv 0 the mixer input's window, 1 the memory's queries, keys and values'.
+NUMBER_OF_STATES = 3
+
+
 class BilinearLayerCache(LinearAttentionLayer):
-    """A bilinear layer's cache: transformers' ``LinearAttentionLayer`` with the mixer's state as its recurrent state
-    (opaque, batch first) and the short convolution's window as its conv state (``[batch, hidden, conv_width - 1]``,
-    time last as the library keeps conv states), plus ``cumulative_length``, the positions consumed.
+    """A bilinear layer's cache: transformers' ``LinearAttentionLayer`` with the mixer's states as its recurrent
+    states (opaque, batch first; ``NUMBER_OF_STATES``) and the short convolutions' windows as its conv states
+    (``[batch, channels, width - 1]``, time last as the library keeps conv states), plus ``cumulative_length``, the
+    positions consumed.
 
     Subclassed because ``LinearAttentionLayer`` counts no positions (the chunked normalization's ``offset`` and
     ``get_seq_length`` need the count), marks a state as present only after a conv update (a layer without a
@@ -46,7 +52,7 @@ class BilinearLayerCache(LinearAttentionLayer):
     is_compileable = False
 
     def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{**kwargs, "number_of_states": NUMBER_OF_STATES})
         self.cumulative_length = 0
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, num_positions: int = 0,
@@ -77,7 +83,7 @@ class BilinearStaticLayerCache(LinearAttentionLayer):
     is_compileable = True
 
     def __init__(self, max_cache_len: int | None = None, **kwargs):  # a state has no length: max_cache_len unused
-        super().__init__(**kwargs)
+        super().__init__(**{**kwargs, "number_of_states": NUMBER_OF_STATES})
         self.cumulative_length = torch.tensor(0)
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
@@ -185,17 +191,18 @@ class BilinearCacheMixin:
     def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
 
-    def conv_window(self, layer_idx: int) -> torch.Tensor | None:
-        """Layer ``layer_idx``'s convolution window, ``[batch, conv_width - 1, hidden]``, or None before the first."""
+    def conv_window(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """Layer ``layer_idx``'s convolution window ``state_idx`` (a bilinear layer's 1: its memory heads'),
+        ``[batch, width - 1, channels]``, or None before the first."""
         if isinstance(self.layers[layer_idx], LinearAttentionLayer):
-            window = self.get_conv_state(layer_idx)
+            window = self.get_conv_state(layer_idx, state_idx)
             return None if window is None else window.transpose(1, 2)
         return self.attention_conv_windows.get(layer_idx)
 
-    def set_conv_window(self, layer_idx: int, window: torch.Tensor) -> None:
-        """Store layer ``layer_idx``'s convolution window (``[batch, conv_width - 1, hidden]``)."""
+    def set_conv_window(self, layer_idx: int, window: torch.Tensor, state_idx: int = 0) -> None:
+        """Store layer ``layer_idx``'s convolution window ``state_idx`` (``[batch, width - 1, channels]``)."""
         if isinstance(self.layers[layer_idx], LinearAttentionLayer):
-            self.update_conv_state(window.transpose(1, 2), layer_idx)  # the library's layout: time last
+            self.update_conv_state(window.transpose(1, 2), layer_idx, state_idx)  # the library's layout: time last
         else:
             self.attention_conv_windows[layer_idx] = self._keep(self.attention_conv_windows.get(layer_idx), window)
 
@@ -348,13 +355,70 @@ class BilinearShortConv(nn.Module):
         return x + y, full[:, T:] * (doc[:, T:] == doc[:, -1:])[..., None].to(x.dtype)
 
 
+class BilinearMemory(nn.Module):
+    """The memory heads of a bilinear mixer (``config.memory_heads``): a projective gated delta rule
+    (``recurrence.reference_delta_rule``) on queries, unit keys and values from a short causal convolution (SiLU),
+    ``alpha = exp(-exp(A_log) softplus(a + dt_bias))`` in ``(0, 1]``, ``beta = 2 sigmoid(b)`` in ``(0, 2)``, the
+    read-out ``S q / c`` RMS-normalized per head and gated.
+
+    ``forward(x, memory, mask, offset, reset) -> (y [B, T, heads * value_size], memory)``; ``memory`` is
+    ``(S [B, heads, value_size, key_size], c [B, heads], window [B, conv_width - 1, channels])``, or None: an empty
+    matrix, ``c = 1`` and a zero window.
+    """
+
+    def __init__(self, config: BilinearConfig):
+        super().__init__()
+        self.config = config
+        N, Dk, Dv = config.memory_heads, config.memory_key_size, config.memory_value_size
+        self.num_heads, self.key_size, self.value_size = N, Dk, Dv
+        # One fused projection: [queries, keys, values (through the convolution) | beta | alpha | output gate].
+        self.split_sizes = [N * (2 * Dk + Dv), N, N, N * Dv if config.use_gate else 0]
+        self.in_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
+        self.conv = BilinearShortConv(N * (2 * Dk + Dv), config.memory_conv_width)
+        self.A_log = nn.Parameter(torch.empty(N))
+        self.dt_bias = nn.Parameter(torch.empty(N))
+        self.out_norm = BilinearRMSNorm(Dv, config.rms_norm_eps)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Gated DeltaNet's (Mamba's) decay initialization: ``exp(A_log)`` uniform in (1, 16), the softplus of
+        ``dt_bias`` log-uniform in (0.001, 0.1)."""
+        init.copy_(self.A_log, torch.empty(self.num_heads).uniform_(1, 16).log())
+        dt = torch.empty(self.num_heads).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+    def forward(self, x, memory=None, mask=None, offset: int | torch.Tensor = 0, reset=None):
+        B, T, _ = x.shape
+        N, Dk, Dv = self.num_heads, self.key_size, self.value_size
+        qkv, b, a, gate = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
+        S, c, window = (None, None, None) if memory is None else memory
+        qkv, window = self.conv(qkv, window, mask, reset)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # the recurrence in at least fp32
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            q, k, v = F.silu(qkv.to(dtype)).split([N * Dk, N * Dk, N * Dv], dim=-1)
+            q = F.normalize(q.view(B, T, N, Dk), dim=-1, eps=1e-6)
+            k = F.normalize(k.view(B, T, N, Dk), dim=-1, eps=1e-6)
+            g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
+            beta = 2 * torch.sigmoid(b.to(dtype))
+            if S is None:
+                S, c = x.new_zeros(B, N, Dv, Dk, dtype=dtype), x.new_ones(B, N, dtype=dtype)
+            o, (S, c) = memory_recurrence(q, k, v.view(B, T, N, Dv), g, beta, (S.to(dtype), c.to(dtype)), mask,
+                                          self.config.norm_chunk_size, offset, self.config.recurrence_impl, reset)
+        y = self.out_norm(o).to(x.dtype).flatten(2)
+        if self.config.use_gate:
+            y = y * F.silu(gate)
+        return y, (S, c, window)
+
+
 class BilinearMixer(nn.Module):
-    """Multi-head bilinear recurrence ``h_t = A(x_t) h_{t-1}`` with a normalized, gated readout.
+    """Multi-head bilinear recurrence ``h_t = A(x_t) h_{t-1}`` with a normalized, gated readout, and with
+    ``memory_heads`` its :class:`BilinearMemory` beside it (both read-outs enter one output projection).
 
     The mixer owns the projections and the readout; ``transition`` (a class of ``transitions.TRANSITIONS``, by
-    ``mixer_type``) owns ``A`` and runs the recurrence. ``forward(x, state, mask, offset, reset) -> (y, states,
-    final)``: the layer receives and returns its state (``states``: the state after every position,
-    ``[B, T, heads, state_size]``); a missing ``state`` starts from the learned ``h_start``.
+    ``mixer_type``) owns ``A`` and runs the recurrence. ``forward(x, state, mask, offset, reset, memory) -> (y, states,
+    final, memory)``: the layer receives and returns its state (``states``: the state after every position,
+    ``[B, T, heads, state_size]``; a missing ``state`` starts from the learned ``h_start``) and its memory (None
+    without memory heads).
     """
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
@@ -370,7 +434,9 @@ class BilinearMixer(nn.Module):
         self.in_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
         self.h_start = nn.Parameter(torch.empty(N, H))
         self.state_norm = BilinearStateNorm(N, H)
-        self.out_proj = nn.Linear(N * H, config.hidden_size, bias=False)
+        self.out_proj = nn.Linear(N * H + config.memory_heads * config.memory_value_size, config.hidden_size,
+                                  bias=False)
+        self.memory = BilinearMemory(config) if config.memory_heads else None
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -387,10 +453,10 @@ class BilinearMixer(nn.Module):
         init.ones_(self.state_norm.weight)
         init.normal_(self.out_proj.weight, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
 
-    def forward(self, x, state=None, mask=None, offset: int = 0, reset=None):
+    def forward(self, x, state=None, mask=None, offset: int = 0, reset=None, memory=None):
         """``reset``: optional ``[B, T]`` bool, positions where a document starts (the state restarts from
-        ``h_start``). The recurrence runs in at least fp32, outside autocast: long products of transitions need the
-        range."""
+        ``h_start``, the memory empties). The recurrence runs in at least fp32, outside autocast: long products of
+        transitions need the range."""
         B, T, _ = x.shape
         N, H = self.num_heads, self.state_size
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -403,7 +469,10 @@ class BilinearMixer(nn.Module):
         y = self.state_norm(states).flatten(2).to(x.dtype)
         if self.config.use_gate:
             y = y * F.silu(gate)
-        return linear(self.out_proj, y), states, final
+        if self.memory is not None:
+            read, memory = self.memory(x, memory, mask, offset, reset)
+            y = torch.cat([y, read], dim=-1)
+        return linear(self.out_proj, y), states, final, memory
 
 
 class BilinearMLP(nn.Module):
@@ -522,11 +591,19 @@ class BilinearBlock(PreNormBlock):
         """``(hidden [B,T,D], cache, mask, offset, reset) -> (hidden, states [B,T,N,S])``: the state and the
         convolution's window come from and go back to ``cache`` (a :class:`BilinearCache`, or None: start from
         ``h_start`` and zeros); ``reset``: ``[B, T]`` bool, document starts, or None."""
-        state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        idx = self.layer_idx
+        state = cache.get_recurrent_state(idx) if cache is not None else None
+        memory = None
+        if cache is not None and self.mixer.memory is not None and cache.get_recurrent_state(idx, 1) is not None:
+            memory = (cache.get_recurrent_state(idx, 1), cache.get_recurrent_state(idx, 2), cache.conv_window(idx, 1))
         mixer_input = self.mixing_input(hidden_states, cache, mask, reset)
-        mixed, states, final_state = self.mixer(mixer_input, state, mask, offset, reset)
+        mixed, states, final_state, memory = self.mixer(mixer_input, state, mask, offset, reset, memory)
         if cache is not None:
-            cache.update_recurrent_state(final_state, self.layer_idx, num_positions=hidden_states.shape[1])
+            cache.update_recurrent_state(final_state, idx, num_positions=hidden_states.shape[1])
+            if memory is not None:
+                cache.update_recurrent_state(memory[0], idx, 1)
+                cache.update_recurrent_state(memory[1], idx, 2)
+                cache.set_conv_window(idx, memory[2], 1)
         return self.mlp_residual(hidden_states + mixed), states
 
 
@@ -628,7 +705,7 @@ class BilinearPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, BilinearMixer):
+        if isinstance(module, (BilinearMixer, BilinearMemory)):
             module.reset_parameters()
         elif isinstance(module, BilinearShortConv):
             init.zeros_(module.weight)
@@ -649,7 +726,7 @@ class BilinearPreTrainedModel(PreTrainedModel):
         Decayed: the projection and embedding matrices (``nn.Linear`` / ``nn.Embedding`` weights), the transitions'
         weights but their ``factor_bias`` (the input factors' offset, 1 at init) and the short convolution's weight.
         Not decayed: norm weights (including the state norm's scale), ``factor_bias``, ``h_start`` (the output is
-        invariant to its scale) and linear biases. A parameter that no rule names is an error, so a new one gets a
+        invariant to its scale), the memory heads' decay parameters (``A_log``, ``dt_bias``) and linear biases. A parameter that no rule names is an error, so a new one gets a
         decision. Tied weights appear once; frozen parameters are left out.
         """
         decay, no_decay, seen = [], [], set()
@@ -664,6 +741,7 @@ class BilinearPreTrainedModel(PreTrainedModel):
                 elif (isinstance(module, (BilinearRMSNorm, BilinearStateNorm)) and name == "weight") or \
                         (isinstance(module, Transition) and name == "factor_bias") or \
                         (isinstance(module, BilinearMixer) and name == "h_start") or \
+                        (isinstance(module, BilinearMemory) and name in ("A_log", "dt_bias")) or \
                         (isinstance(module, nn.Linear) and name == "bias"):
                     no_decay.append(param)
                 else:

@@ -35,7 +35,7 @@ from ..utils import eval_mode
 from .config import option
 
 IGNORE = -100
-RECALL_MODELS = ("bilinear", "bilinear-conv", "llama", "lstm")
+RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-memory", "llama", "lstm")
 POWER_A = 0.01  # Zoology's power law for the query gaps
 ZOOLOGY_LRS = (1e-4, 4.642e-4, 2.154e-3, 1e-2)  # np.logspace(-4, -2, 4), to 4 digits
 POINTS = {"64x4": (64, 4), "128x8": (128, 8), "256x16": (256, 16)}  # Zoology's figure 2: (seq_len, num_pairs)
@@ -139,14 +139,18 @@ class RecallConfig:
 
 def recall_model(name: str, config: RecallConfig):
     """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``; with ``extra`` layer types, a
-    hybrid), ``llama`` or ``lstm``, all ``num_layers`` deep and ``hidden_size`` wide, with untied input and output
-    embeddings (tied, a 2-layer attention model of the bilinear stack stayed at ``1 / pairs``, 0.260, where untied it
-    reached 0.981: docs/results-history.md)."""
+    hybrid), ``bilinear-memory`` (``bilinear-conv`` with ``num_heads`` memory heads of keys and values
+    ``hidden_size / num_heads``), ``llama`` or ``lstm``, all ``num_layers`` deep and ``hidden_size`` wide, with untied
+    input and output embeddings (tied, a 2-layer attention model of the bilinear stack stayed at ``1 / pairs``, 0.260,
+    where untied it reached 0.981: docs/results-history.md)."""
     c = config
-    if name in ("bilinear", "bilinear-conv"):
+    if name in ("bilinear", "bilinear-conv", "bilinear-memory"):
+        memory = {} if name != "bilinear-memory" else dict(
+            memory_heads=c.num_heads, memory_key_size=c.hidden_size // c.num_heads,
+            memory_value_size=c.hidden_size // c.num_heads)
         cfg = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_heads=c.num_heads,
-                   state_size=c.state_size, rank=c.state_size, conv_width=4 if name == "bilinear-conv" else 0,
-                   tie_word_embeddings=False, **c.extra)
+                   state_size=c.state_size, rank=c.state_size, conv_width=0 if name == "bilinear" else 4,
+                   tie_word_embeddings=False, **{**memory, **c.extra})
         return build_model("bilinear", cfg, c.vocab_size, match_bilinear=False)
     if name == "llama":
         cfg = dict(hidden_size=c.hidden_size, intermediate_size=4 * c.hidden_size, num_hidden_layers=c.num_layers,

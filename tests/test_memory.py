@@ -1,0 +1,170 @@
+"""Memory heads (``BilinearConfig.memory_heads``): the projective gated delta rule's chunked form against its loop
+(fp64: outputs, memory, every gradient), the loop against the textbook gated delta rule, the memory's own
+normalization, and the model with memory heads (scale invariance, padding, decoding, every implementation's
+gradients). Generation with memory heads is tested with the other cached states in test_generation.py and
+test_compiled_decoding.py."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
+from bilinear_lm.modeling import delta_rule
+from bilinear_lm.modeling.delta_rule import chunk_delta_rule
+from bilinear_lm.modeling.dispatch import memory_recurrence
+from bilinear_lm.modeling.recurrence import reference_delta_rule
+
+MEMORY = {"memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3}
+
+
+def inputs(B=2, T=100, N=3, Dk=5, Dv=4, seed=0, dtype=torch.float64):
+    """Random ``(q, k, v, g, beta, S, c)`` in the ranges the module produces (unit q and k, ``g <= 0``, ``beta`` in
+    (0, 2)), all requiring gradients."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q, k = F.normalize(randn(B, T, N, Dk), dim=-1), F.normalize(randn(B, T, N, Dk), dim=-1)
+    g = -torch.rand(B, T, N, generator=gen, dtype=dtype) * 0.3
+    beta = 2 * torch.rand(B, T, N, generator=gen, dtype=dtype)
+    c = torch.rand(B, N, generator=gen, dtype=dtype) + 0.5
+    return [x.requires_grad_() for x in (q, k, randn(B, T, N, Dv), g, beta, randn(B, N, Dv, Dk), c)]
+
+
+def run(fn, xs, *args):
+    """``fn``'s outputs and memory, and the gradients of a random functional of all three w.r.t. every input."""
+    o, (S, c) = fn(*xs[:5], (xs[5], xs[6]), *args)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((x * torch.randn(x.shape, generator=gen, dtype=x.dtype)).sum() for x in (o, S, c))
+    return [o, S, c, *torch.autograd.grad(loss, xs)]
+
+
+@pytest.mark.parametrize("block", [64, 7])
+@pytest.mark.parametrize("chunk,offset,masked,reset", [(0, 0, False, False), (16, 5, True, True), (64, 3, False, True),
+                                                        (10, 0, True, False)])
+def test_chunked_form_equals_the_loop_fp64(block, chunk, offset, masked, reset, monkeypatch):
+    """Outputs, final ``S`` and ``c`` and the gradients of every input (initial memory included) agree to rounding,
+    with blocks shorter than and crossing the normalization chunks, padding, resets and an offset."""
+    monkeypatch.setattr(delta_rule, "BLOCK", block)
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(2, 100, generator=gen) > 0.2 if masked else None
+    resets = torch.rand(2, 100, generator=gen) > 0.9 if reset else None
+    xs = inputs()
+    expected = run(reference_delta_rule, xs, mask, chunk, offset, resets)
+    for got, want in zip(run(chunk_delta_rule, xs, mask, chunk, offset, resets), expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_loop_is_the_gated_delta_rule_with_negative_eigenvalues():
+    """``S / c`` follows ``S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T``, ``o_t = S_t q_t``,
+    written with explicit matrices (independent code), whatever the normalization and ``c``'s starting value."""
+    q, k, v, g, beta, S0, c0 = (x.detach() for x in inputs(T=40))
+    S = S0 / c0[..., None, None]
+    eye = torch.eye(k.shape[-1], dtype=k.dtype)
+    outputs = []
+    for t in range(q.shape[1]):
+        kk = k[:, t, :, :, None] * k[:, t, :, None, :]
+        S = g[:, t].exp()[..., None, None] * S @ (eye - beta[:, t, ..., None, None] * kk) \
+            + beta[:, t, ..., None, None] * v[:, t, :, :, None] * k[:, t, :, None, :]
+        outputs.append(S @ q[:, t, ..., None])
+    expected = torch.cat(outputs, dim=-1).permute(0, 3, 1, 2)
+    for chunk in (0, 1, 8):
+        o, (S_end, c_end) = reference_delta_rule(q, k, v, g, beta, (S0, c0), chunk=chunk)
+        torch.testing.assert_close(o, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(S_end / c_end[..., None, None], S, rtol=1e-12, atol=1e-12)
+
+
+def test_the_memory_normalizes_by_its_own_norm_at_chunk_boundaries():
+    """At a boundary each (row, head) memory ``[S; c]`` has unit norm, whatever it was (here 1e20 larger)."""
+    q, k, v, g, beta, S0, c0 = (x.detach() for x in inputs(T=16))
+    for impl in ("reference", "torch"):
+        _, (S, c) = memory_recurrence(q, k, v, g, beta, (S0 * 1e20, c0 * 1e20), chunk=8, impl=impl)
+        norm = (S.pow(2).sum((-2, -1)) + c.pow(2)).sqrt()
+        torch.testing.assert_close(norm, torch.ones_like(norm), rtol=1e-12, atol=0)
+
+
+def build(changes=None, dtype=torch.float64, seed=0):
+    """The tiny model with memory heads (and ``changes``), their convolution at random weights (zero at init: the
+    identity would hide a wrong window)."""
+    config = BilinearConfig(**{**dict(vocab_size=67, hidden_size=24, num_hidden_layers=2, num_heads=3, state_size=5,
+                                      rank=7, intermediate_size=40, norm_chunk_size=4), **MEMORY, **(changes or {})})
+    torch.manual_seed(seed)
+    model = BilinearForCausalLM(config).to(dtype).eval()
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.mixer.memory.conv.weight, std=0.5)
+    return model
+
+
+def test_memory_heads_are_scale_invariant():
+    """Normalizing every step, every 7 steps or never gives the same logits, and rescaling a cached memory
+    ``(S, c)`` by any positive factor changes no later logit."""
+    ids = torch.randint(0, 67, (2, 40))
+    with torch.no_grad():
+        logits = [build({"norm_chunk_size": chunk})(ids).logits for chunk in (0, 1, 7)]
+        for other in logits[1:]:
+            torch.testing.assert_close(other, logits[0], rtol=1e-12, atol=1e-12)
+        model = build()
+        cache = model(ids[:, :10], use_cache=True).past_key_values
+        expected = model(ids[:, 10:], past_key_values=copy.deepcopy(cache)).logits
+        for layer in cache.layers:
+            scale = torch.tensor([1e-20, 3e15], dtype=torch.float64)
+            layer.recurrent_states[1] = layer.recurrent_states[1] * scale[:, None, None, None]
+            layer.recurrent_states[2] = layer.recurrent_states[2] * scale[:, None]
+        torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_decoding_left_padding_and_resets_give_the_full_forward():
+    """Token-by-token decoding (the loop's step) and prefill + decoding equal one full forward (the chunked form),
+    with documents reset at EOS and a short convolution on the mixer input; a left-padded row equals its row alone."""
+    model = build({"conv_width": 3, "reset_state_at_eos": True, "eos_token_id": 5})
+    ids = torch.randint(6, 67, (2, 30))
+    ids[0, 10], ids[1, 20] = 5, 5
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = BilinearCache(model.config)
+        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(30)], dim=1)
+        cache = BilinearCache(model.config)
+        split = torch.cat([model(ids[:, :13], past_key_values=cache).logits,
+                           model(ids[:, 13:], past_key_values=cache).logits], dim=1)
+        padded = torch.cat([torch.zeros(1, 7, dtype=torch.long), ids[1:, :23]], dim=1)
+        mask = torch.ones_like(padded)
+        mask[:, :7] = 0
+        padded_logits = model(padded, attention_mask=mask).logits
+    torch.testing.assert_close(steps, full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split, full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(padded_logits[0, 7:], full[1, :23], rtol=1e-12, atol=1e-12)
+
+
+def test_every_recurrence_impl_gives_the_reference_model_gradients():
+    """The chunked form (every impl but ``reference``) gives the loop's loss and gradients, with padding."""
+    ids = torch.randint(0, 67, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    grads = []
+    for impl in ("reference", "torch", "auto"):
+        model = build({"recurrence_impl": impl}).train()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for other in grads[1:]:
+        for name in grads[0]:
+            torch.testing.assert_close(other[name], grads[0][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_long_fp32_forward_stays_close_to_fp64():
+    """4,096 positions in fp32 (64 normalizations, long products of decays) stay within fp32 rounding of fp64."""
+    model = build({"num_hidden_layers": 1, "norm_chunk_size": 64})
+    ids = torch.randint(0, 67, (1, 4096))
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = copy.deepcopy(model).float()(ids).logits
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("field,value", [("memory_heads", -1), ("memory_heads", 1.5), ("memory_key_size", 0),
+                                         ("memory_value_size", -4), ("memory_conv_width", 1)])
+def test_config_rejects_bad_memory_fields_naming_them(field, value):
+    with pytest.raises(ValueError, match=field):
+        BilinearConfig(**{"memory_heads": 2, field: value})
