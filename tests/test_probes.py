@@ -320,3 +320,19 @@ def test_each_transition_type_gives_its_probe_defaults():
     assert cfg["rank"] == 3
     _, cfg = build_probe_model("bilinear-block_diagonal", task, config)
     assert cfg["block_size"] == 4
+
+
+def test_probe_models_take_memory_heads():
+    """``--memory-heads`` / ``--memory-size`` put memory heads beside the bilinear probe model's tracking head (and
+    leave the baselines alone); a negative count is refused naming the field."""
+    from bilinear_lm.probes import ProbeConfig, build_probe_model, make_task
+
+    task = make_task("modular_addition", 5)
+    config = ProbeConfig(state_size=8, memory_heads=2, memory_size=4)
+    model, cfg = build_probe_model("bilinear-cp", task, config)
+    memory = model.model.layers[0].mixer.memory
+    assert (memory.num_heads, memory.key_size, memory.value_size) == (2, 4, 4) and cfg["memory_heads"] == 2
+    assert build_probe_model("bilinear-cp", task, ProbeConfig(state_size=8))[0].model.layers[0].mixer.memory is None
+    assert "memory_heads" not in build_probe_model("transformer-1", task, config)[1]
+    with pytest.raises(ValueError, match="memory_heads"):
+        ProbeConfig(memory_heads=-1)

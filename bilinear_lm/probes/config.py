@@ -52,6 +52,9 @@ class ProbeConfig:
     block_size: int = option(2, "bilinear block_diagonal block size")
     gate: bool = option(False, "bilinear: multiply the readout by the LM's output gate silu(W_g x) (default: the "
                                "paper's linear readout of the normalized state)")
+    memory_heads: int = option(0, "bilinear: memory heads (a gated delta rule, BilinearConfig.memory_heads) beside "
+                                  "each layer's tracking head (0 = none)")
+    memory_size: int = option(32, "bilinear: the memory heads' key and value size")
     num_heads: int = option(4, "attention heads (transformer-N, and the attention layers of hybrid-N)")
     attention_window: int | None = option(None, "hybrid-N: its attention layers see only this many positions "
                                                 "(sliding-window attention; default: full attention)")
@@ -75,9 +78,11 @@ class ProbeConfig:
             raise bad("test_lengths", "a non-empty sequence of integers >= 1, e.g. (500,)")
         object.__setattr__(self, "test_lengths", tests)
         for name in ("val_length", "val_size", "test_size", "steps", "patience", "eval_every", "batch_size",
-                      "eval_tokens", "hidden_size", "state_size", "block_size", "num_heads"):
+                      "eval_tokens", "hidden_size", "state_size", "block_size", "num_heads", "memory_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "an integer >= 1")
+        if not is_int(self.memory_heads) or self.memory_heads < 0:
+            raise bad("memory_heads", "an integer >= 0 (0 = none)")
         if self.rank is not None and (not is_int(self.rank) or self.rank < 1):
             raise bad("rank", "None (the default rank) or an integer >= 1")
         if self.attention_window is not None and (not is_int(self.attention_window) or self.attention_window < 1):

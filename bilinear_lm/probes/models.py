@@ -6,7 +6,8 @@ vocabulary is sized max(num_symbols, num_classes) and untied. Models are built b
 
 - ``bilinear-<mixer>`` for mixer in cp, full, block_diagonal, rotation, diagonal, positive_diagonal:
   BilinearForCausalLM(num_hidden_layers=1, use_mlp=False, num_heads=1) = the paper's minimal model (embedding ->
-  one bilinear recurrence -> linear readout of the normalized state); ``gate=True`` adds the LM's output gate.
+  one bilinear recurrence -> linear readout of the normalized state); ``gate=True`` adds the LM's output gate,
+  ``memory_heads`` memory heads beside the tracking head.
 - ``hybrid-N`` (N >= 4): N of those ``bilinear-cp`` layers with every fourth a full-attention layer (``num_heads``
   heads, RoPE; ``interleaved_layer_types(N, 4)``, the 3:1 of Qwen3-Next and Kimi Linear; sliding-window attention
   with ``attention_window``, without rotary embeddings with ``attention_rope=False``): does attention disturb length
@@ -41,8 +42,10 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
         mixer = name.split("-", 1)[1]
         if mixer not in MIXER_TYPES:
             raise ValueError(f"unknown bilinear mixer {mixer!r}; choose one of {list(MIXER_TYPES)}")
+        memory = dict(memory_heads=config.memory_heads, memory_key_size=config.memory_size,
+                      memory_value_size=config.memory_size) if config.memory_heads else {}
         cfg = dict(hidden_size=H, num_hidden_layers=1, num_heads=1, state_size=config.state_size, mixer_type=mixer,
-                   use_mlp=False, use_gate=config.gate, tie_word_embeddings=False,
+                   use_mlp=False, use_gate=config.gate, tie_word_embeddings=False, **memory,
                    **TRANSITIONS[mixer].probe_overrides(config, num_symbols))  # each type's defaults (rank, ...)
         return "bilinear", cfg
     if name in ("lstm", "lstm-2"):
