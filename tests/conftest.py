@@ -4,6 +4,7 @@ The suite reads no data from outside the repository: tokenizers train on the Tin
 (bilinear_lm.training.DEFAULT_TRAIN_FILE), and the local lm-eval tasks read TEST_DATA, a few KB in the layout of
 their real data folder, written from that text by tests/data/make_data.py. .ci/run runs the suite in a copy of the
 checkout with nothing beside it."""
+import gc
 import os
 from pathlib import Path
 
@@ -17,6 +18,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TEST_DATA = REPO_ROOT / "tests" / "data"  # wikitext-2-raw/wiki.{valid,test}.raw, lambada/lambada_test.jsonl
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_finish(session):
+    """Move what the test modules imported (torch, transformers, ...: ~460k objects) out of the garbage
+    collector's sight: every full collection (automatic, or train.py's at the end of each in-process run) would
+    traverse them again, and they live until the end anyway."""
+    gc.freeze()
 
 
 @pytest.fixture
