@@ -9,7 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# torch's OpenMP threads sleep at a barrier instead of spinning (libgomp reads this when torch loads it): on 2 cores
+# shared with the suite's own subprocesses, or any other load, spinning threads multiplied the time of parallel ops
+# (a depthwise conv1d: 0.1 ms to 300 ms) and of the suite (test_generation + test_hybrid: 64 s to 21 s)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # run the Triton kernels on CPU tensors (set before they are first imported)
     os.environ["TRITON_INTERPRET"] = "1"
