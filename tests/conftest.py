@@ -32,14 +32,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+TINY_CONFIG = dict(vocab_size=67, hidden_size=24, num_hidden_layers=2, num_heads=3, state_size=5, rank=7,
+                   intermediate_size=40, norm_chunk_size=4)  # tiny_bilinear_config's (module fixtures import it)
+
+
 @pytest.fixture
 def tiny_bilinear_config():
     from bilinear_lm import BilinearConfig
 
-    return BilinearConfig(
-        vocab_size=67, hidden_size=24, num_hidden_layers=2, num_heads=3, state_size=5, rank=7,
-        intermediate_size=40, norm_chunk_size=4,
-    )
+    return BilinearConfig(**TINY_CONFIG)
 
 
 @pytest.fixture(autouse=True)
