@@ -170,6 +170,7 @@ def test_reset_at_eos_in_compiled_steps_equals_eager(model):
     assert_full_forward_logits(model, compiled[:, :-1], mask, logits)  # the full forward restarts at each EOS
 
 
+@pytest.mark.parametrize("model", ["hybrid"], indirect=True)  # its bilinear layer is the pure layout's
 def test_text_generation_pipeline_with_a_static_cache_in_fp32(model):
     """The same option through ``pipeline`` (and a ``GenerationConfig``), fp32 and the hybrid with rotary embeddings:
     the same text as eager decoding, the logits within rounding."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -159,54 +160,70 @@ def test_all_presets_parse_and_build():
 
 
 # ------------------------------------------------------------------------------------ saved tokenizer
-@pytest.mark.parametrize("setup,load", [("import bilinear_lm", "AutoTokenizer.from_pretrained(CKPT)"),
-                                        ("", "AutoTokenizer.from_pretrained(CKPT, trust_remote_code=True)")])
-def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tmp_path, tiny_bilinear_config):
+LOADS = [("import bilinear_lm", "AutoTokenizer.from_pretrained(CKPT)"),
+         ("", "AutoTokenizer.from_pretrained(CKPT, trust_remote_code=True)")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_loads(tmp_path_factory):
+    """The saved-tokenizer tests' processes (stdin closed), started at module start while the other tests run: each
+    of LOADS on a checkpoint as train.py writes it (the tiny model + its BPE in one folder, ROOT/ckpt), and "alone",
+    a bare AutoTokenizer.from_pretrained of a hybrid's (ROOT/hybrid) in a process that never imports bilinear_lm."""
+    from bilinear_lm import BilinearConfig, BilinearForCausalLM
+    from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
+    from conftest import TINY_CONFIG
+
+    root = tmp_path_factory.mktemp("tokenizer_loads")
+    text = D.load_raw_text(train_file=str(_write(root / "t.txt", "hello world, a tiny text\n" * 50)))
+    tok = D.build_tokenizer(None, text["train"], vocab_size=280)
+    hybrid = BilinearConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=2, num_heads=2, state_size=4,
+                            rank=4, num_attention_heads=2, layer_types=interleaved_layer_types(2, 2))
+    for name, config in (("ckpt", BilinearConfig(**{**TINY_CONFIG, "vocab_size": len(tok)})), ("hybrid", hybrid)):
+        BilinearForCausalLM(config).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    codes = {(setup, load): (f"{setup}\nfrom transformers import AutoTokenizer\nCKPT = {str(root / 'ckpt')!r}\n"
+                             f"tok = {load}\nprint('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == "
+                             f"'hello world', tok.eos_token)", REPO) for setup, load in LOADS}
+    codes["alone"] = (f"import sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained("
+                      f"{str(root / 'hybrid')!r})\nassert 'bilinear_lm' not in sys.modules\n"
+                      "print('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == 'hello world', len(tok))", root)
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1"}) for name, (code, cwd) in codes.items()}
+    yield SimpleNamespace(root=root, vocab=len(tok), procs=procs)
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("setup,load", LOADS)
+def test_tokenizer_saved_with_the_model_loads_without_questions(setup, load, tokenizer_loads):
     """A checkpoint as train.py writes it (model + its BPE in one folder): with bilinear_lm imported, or with
     trust_remote_code=True, AutoTokenizer neither asks y/N (stdin closed) nor warns about the model type, and
     round-trips text. (A bare AutoTokenizer.from_pretrained(CKPT) in a process that never imported
     bilinear_lm asks on a terminal: transformers 5.23 resolves the model config, remote code, before
     tokenizer_config.json; without an answer it loads, next test.)"""
-    from bilinear_lm import BilinearForCausalLM
-
-    text = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", "hello world, a tiny text\n" * 50)))
-    tok = D.build_tokenizer(None, text["train"], vocab_size=280)
-    tiny_bilinear_config.vocab_size = len(tok)
-    BilinearForCausalLM(tiny_bilinear_config).save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    code = (f"{setup}\nfrom transformers import AutoTokenizer\nCKPT = {str(tmp_path / 'ckpt')!r}\ntok = {load}\n"
-            "print('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == 'hello world', tok.eos_token)")
-    out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=120, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"ROUNDTRIP True {D.EOS_TOKEN}" in out.stdout
-    assert "[y/N]" not in out.stdout + out.stderr and "to instantiate a model of type" not in out.stderr
+    proc = tokenizer_loads.procs[setup, load]
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"ROUNDTRIP True {D.EOS_TOKEN}" in out
+    assert "[y/N]" not in out + err and "to instantiate a model of type" not in err
 
 
-def test_the_saved_tokenizer_loads_alone_in_a_process_that_never_imports_bilinear_lm(tmp_path):
+def test_the_saved_tokenizer_loads_alone_in_a_process_that_never_imports_bilinear_lm(tokenizer_loads):
     """A bare AutoTokenizer.from_pretrained(CKPT), no answer to transformers' y/N (stdin closed): it falls back to
     reading config.json as a plain PreTrainedConfig, which refused the layer type "bilinear" (`layer_types` entries
     must be in (...)) before it looked at the tokenizer's files; config.json names it "linear_attention" now. A
     hybrid: its attention layers keep their names."""
-    from bilinear_lm import BilinearConfig, BilinearForCausalLM
-    from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
+    from bilinear_lm import BilinearConfig
 
-    text = D.load_raw_text(train_file=str(_write(tmp_path / "t.txt", "hello world, a tiny text\n" * 50)))
-    tok = D.build_tokenizer(None, text["train"], vocab_size=280)
-    config = BilinearConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=2, num_heads=2, state_size=4,
-                            rank=4, num_attention_heads=2, layer_types=interleaved_layer_types(2, 2))
-    BilinearForCausalLM(config).save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    code = (f"import sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained("
-            f"{str(tmp_path / 'ckpt')!r})\nassert 'bilinear_lm' not in sys.modules\n"
-            "print('ROUNDTRIP', tok.decode(tok('hello world').input_ids) == 'hello world', len(tok))")
-    out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"ROUNDTRIP True {len(tok)}" in out.stdout
-    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["layer_types"] == ["linear_attention",
-                                                                                          "full_attention"]
-    assert BilinearConfig.from_pretrained(tmp_path / "ckpt").layer_types == ["bilinear", "full_attention"]
+    proc, ckpt = tokenizer_loads.procs["alone"], tokenizer_loads.root / "hybrid"
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"ROUNDTRIP True {tokenizer_loads.vocab}" in out
+    assert json.loads((ckpt / "config.json").read_text())["layer_types"] == ["linear_attention", "full_attention"]
+    assert BilinearConfig.from_pretrained(ckpt).layer_types == ["bilinear", "full_attention"]
 
 
 def test_bpe_training_shows_the_trainers_progress_when_asked(monkeypatch):

@@ -1,6 +1,6 @@
 """Distributed launches on CPU: a launch that asks for N processes but runs N single-process trainings is refused;
 FSDP2 (`fully_shard`) over 2 gloo ranks matches one unsharded process (tests/fsdp_worker.py); the unsharded copy
-finish() samples and evaluates under FSDP."""
+finish() samples and evaluates under FSDP. The two launches start together at module start."""
 import os
 import subprocess
 import sys
@@ -26,28 +26,46 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def test_a_multi_gpu_launch_without_gpus_is_refused_on_every_process(tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def launches(tmp_path_factory):
+    """The module's two launches, started side by side at module start (their tests wait for them): MULTI_GPU,
+    `accelerate launch --multi_gpu --num_processes 2` of train.py without ACCELERATE_USE_CPU=1 (into OUT); FSDP,
+    torchrun of tests/fsdp_worker.py on 2 ranks (into FSDP_DIR)."""
+    root = tmp_path_factory.mktemp("launches")
+    text = root / "text.txt"
+    text.write_text(Path(DEFAULT_TRAIN_FILE).read_text()[:5_000])
+    out, fsdp_dir = root / "out", root / "fsdp"
+    fsdp_dir.mkdir()
+    multi_gpu = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                 "--main_process_port", str(_free_port()), "train.py", "--config",
+                 str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml"), "--train_file", str(text),
+                 "--output_dir", str(out), "--max_steps", "2", "--block_size", "16", "--batch_size", "2",
+                 "--save_interval", "1", "--sample_tokens", "0", "--model.hidden_size", "16",
+                 "--model.num_hidden_layers", "1", "--model.num_heads", "2", "--model.state_size", "4",
+                 "--model.rank", "4"]
+    fsdp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(_free_port()), str(REPO / "tests" / "fsdp_worker.py"), str(fsdp_dir)]
+    procs = {name: subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, cmd in (("multi_gpu", multi_gpu), ("fsdp", fsdp))}
+    yield SimpleNamespace(out=out, fsdp_dir=fsdp_dir, **procs)
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_multi_gpu_launch_without_gpus_is_refused_on_every_process(launches):
     """`accelerate launch --multi_gpu --num_processes 2` without ACCELERATE_USE_CPU=1 and without GPUs: torchrun
     starts 2 processes (WORLD_SIZE=2) whose Accelerators each run alone. They must stop before writing anything."""
-    text = tmp_path / "text.txt"
-    text.write_text(Path(DEFAULT_TRAIN_FILE).read_text()[:5_000])
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), "train.py", "--config",
-           str(REPO / "bilinear_lm" / "configs" / "shakespeare-char.yaml"), "--train_file", str(text),
-           "--output_dir", str(out), "--max_steps", "2", "--block_size", "16", "--batch_size", "2",
-           "--save_interval", "1", "--sample_tokens", "0", "--model.hidden_size", "16",
-           "--model.num_hidden_layers", "1", "--model.num_heads", "2", "--model.state_size", "4", "--model.rank", "4"]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-3000:]
+    output = "".join(launches.multi_gpu.communicate(timeout=120))
+    assert launches.multi_gpu.returncode != 0, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2, output[-3000:]  # one line from each process
     assert all("the launcher started 2 processes (WORLD_SIZE=2) but each runs as a single process" in line
                and "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train.py" in line
                and "FSDP through Accelerate needs GPUs" in line for line in errors), errors
-    assert not out.exists()  # no tokenizer, checkpoint or model
+    assert not launches.out.exists()  # no tokenizer, checkpoint or model
 
 
 def test_check_launch_names_fsdp_and_passes_real_launches():
@@ -59,15 +77,13 @@ def test_check_launch_names_fsdp_and_passes_real_launches():
     check_launch(SimpleNamespace(num_processes=2, device=torch.device("cpu")), {"WORLD_SIZE": "2"})  # CPU DDP
 
 
-def test_fsdp2_fully_shard_over_2_gloo_ranks_matches_one_unsharded_process(tmp_path):
+def test_fsdp2_fully_shard_over_2_gloo_ranks_matches_one_unsharded_process(launches):
     """tests/fsdp_worker.py on 2 CPU ranks: loss, gathered gradients and parameters after a step, and the saved
     gathered state dict reloaded with from_pretrained (identical logits) against one process's unsharded model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(REPO / "tests" / "fsdp_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists()
-    assert (tmp_path / "model" / "model.safetensors").exists()
+    output = "".join(launches.fsdp.communicate(timeout=240))
+    assert launches.fsdp.returncode == 0, output[-4000:]
+    assert (launches.fsdp_dir / "rank0.json").exists() and (launches.fsdp_dir / "rank1.json").exists()
+    assert (launches.fsdp_dir / "model" / "model.safetensors").exists()
 
 
 def test_unsharded_copy_of_a_state_dict_gives_identical_logits(tiny_bilinear_config):

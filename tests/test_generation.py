@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bilinear_lm import BilinearCache, BilinearForCausalLM
+from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
 
 PAD = 0
@@ -110,18 +110,28 @@ def test_beam_search_runs_and_beats_or_ties_greedy(model):
     torch.testing.assert_close(beams.sequences_scores.double(), logprob(beams.sequences), rtol=1e-5, atol=1e-5)
 
 
-def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
-    """A checkpoint with memory heads (every module of the model: their recurrence is a file of its own) runs as
-    remote code, eager and compiled, with the package's logits and tokens."""
-    for key, value in MEMORY.items():
-        setattr(tiny_bilinear_config, key, value)
+@pytest.fixture(scope="module", autouse=True)
+def remote_code_run(tmp_path_factory):
+    """test_remote_code_loads_without_the_package's process, started at module start (the other tests run meanwhile):
+    the tiny model with memory heads (every module of the model: their recurrence is a file of its own) and
+    test_hybrid's 4-layer hybrid (left-padded rows) saved with their logits and greedy continuations, and a Python
+    without bilinear_lm that loads each with trust_remote_code and compares (the first compiled too)."""
+    from conftest import TINY_CONFIG
+    from test_hybrid import build, hybrid_config, left_padded
+
+    root = tmp_path_factory.mktemp("remote_code")
+    config = BilinearConfig(**{**TINY_CONFIG, **MEMORY})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_bilinear_config).eval()
-    model.save_pretrained(tmp_path / "ckpt")
-    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 9))
-    with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits, "gen": model.generate(ids, max_new_tokens=5)},
-                   tmp_path / "expected.pt")
+    models = {"pure": (AutoModelForCausalLM.from_config(config).eval(), torch.randint(0, config.vocab_size, (2, 9)),
+                       None),
+              "hybrid": (build(hybrid_config(config)).float(), *left_padded(60, [9, 6]))}
+    expected = {}
+    for name, (model, ids, mask) in models.items():
+        model.save_pretrained(root / name)
+        with torch.no_grad():
+            expected[name] = {"ids": ids, "mask": mask, "logits": model(ids, attention_mask=mask).logits,
+                              "gen": model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)}
+    torch.save(expected, root / "expected.pt")
     script = textwrap.dedent(f"""
         import sys
         sys.modules["bilinear_lm"] = None  # the package is not importable here
@@ -132,20 +142,31 @@ def test_remote_code_loads_without_the_package(tiny_bilinear_config, tmp_path):
             raise SystemExit("bilinear_lm should not be importable")
         except ImportError:
             pass
-        expected = torch.load({str(tmp_path / 'expected.pt')!r})
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
-        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        dispatch = sys.modules[type(model).__module__.rpartition(".")[0] + ".dispatch"]
-        assert dispatch.load_cpu_kernels is None  # no compiled kernels without the package: the PyTorch scan runs
-        with torch.no_grad():
-            torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=1e-5, atol=1e-6)
-        assert torch.equal(model.generate(expected["ids"], max_new_tokens=5), expected["gen"])
-        # the compiled decoding step needs no kernels of the package either
-        assert torch.equal(model.generate(expected["ids"], max_new_tokens=5, cache_implementation="static"),
-                           expected["gen"])
-        assert hasattr(model, "_compiled_call")
-        print("ok")
+        for name, expected in torch.load({str(root / 'expected.pt')!r}).items():
+            model = AutoModelForCausalLM.from_pretrained({str(root)!r} + "/" + name, trust_remote_code=True).eval()
+            assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+            dispatch = sys.modules[type(model).__module__.rpartition(".")[0] + ".dispatch"]
+            assert dispatch.load_cpu_kernels is None  # no compiled kernels without the package: the PyTorch scan runs
+            ids, mask = expected["ids"], expected["mask"]
+            with torch.no_grad():
+                torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected["logits"], rtol=1e-5,
+                                           atol=1e-6)
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+            assert torch.equal(gen, expected["gen"]), name
+            if name == "pure":  # the compiled decoding step needs no kernels of the package either
+                assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                                  cache_implementation="static"), expected["gen"])
+                assert hasattr(model, "_compiled_call")
+            print("ok", name)
     """)
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "HF_HOME": str(root / "hf_home"), "HF_HUB_OFFLINE": "1"})
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_remote_code_loads_without_the_package(remote_code_run):
+    out, err = remote_code_run.communicate(timeout=300)
+    assert remote_code_run.returncode == 0 and out == "ok pure\nok hybrid\n", err[-3000:]

@@ -2,14 +2,9 @@
 
 import copy
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
@@ -283,36 +278,17 @@ def test_output_projections_start_scaled_down_with_depth(tiny_bilinear_config):
             assert mixing.q_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.05)
 
 
-def test_save_reload_and_remote_code_without_the_package(tiny_bilinear_config, tmp_path):
+def test_save_and_reload_keep_the_layer_types_and_the_logits(tiny_bilinear_config, tmp_path):
+    """from_pretrained of a saved hybrid (with trust_remote_code, without the package: test_generation's
+    test_remote_code_loads_without_the_package)."""
     model = build(hybrid_config(tiny_bilinear_config)).float()
     model.save_pretrained(tmp_path / "ckpt")
     ids, mask = left_padded(60, [9, 6])
-    with torch.no_grad():
-        expected = {"ids": ids, "mask": mask, "logits": model(ids, attention_mask=mask).logits,
-                    "gen": model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)}
-    torch.save(expected, tmp_path / "expected.pt")
     reloaded = BilinearForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     assert reloaded.config.layer_types == model.config.layer_types
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, expected["logits"], rtol=0, atol=0)
-    script = textwrap.dedent(f"""
-        import sys
-        sys.modules["bilinear_lm"] = None  # the package is not importable here
-        import torch
-        from transformers import AutoModelForCausalLM
-        expected = torch.load({str(tmp_path / 'expected.pt')!r})
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
-        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        with torch.no_grad():
-            logits = model(expected["ids"], attention_mask=expected["mask"]).logits
-        torch.testing.assert_close(logits, expected["logits"], rtol=1e-5, atol=1e-6)
-        gen = model.generate(expected["ids"], attention_mask=expected["mask"], max_new_tokens=5, do_sample=False)
-        assert torch.equal(gen, expected["gen"])
-        print("ok")
-    """)
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
+                                   rtol=0, atol=0)
 
 
 def test_sampling_and_beam_search_run(tiny_bilinear_config):

@@ -217,18 +217,21 @@ def test_cli_writes_table_and_json(model_type, ckpts, text_file, text, tmp_path,
     if model_type == "llama":
         assert "streaming skipped" in printed.err and "--mode strided" in printed.err
     # independent recomputation from the saved checkpoint, loaded with transformers: every token t is scored
-    # by its own fp64 forward over the context of the first window that scores it (windows of 64, stride 32)
+    # by an fp64 forward over the context of the first window that scores it (windows of 64, stride 32): window k's
+    # tokens by one forward from 32k (the logits at t - 1 are a causal model's over x[32k : t])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(ckpts[model_type], dtype=torch.float64).eval()
     tok = AutoTokenizer.from_pretrained(ckpts[model_type])
     x = [tok.eos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+    windows = {}
+    for t in range(1, len(x)):
+        windows.setdefault(max(0, (t - 64) // 32 + 1), []).append(t)
     nll = 0.0
     with torch.no_grad():
-        for t in range(1, len(x)):
-            k = max(0, (t - 64) // 32 + 1)
-            logits = model(input_ids=torch.tensor([x[k * 32 : t]])).logits[0, -1]
-            nll -= float(torch.log_softmax(logits, -1)[x[t]])
+        for k, scored in windows.items():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([x[k * 32 : scored[-1]]])).logits[0], -1)
+            nll -= sum(float(logp[t - 1 - k * 32, x[t]]) for t in scored)
     r = res["strided"]
     words, n_bytes = len(re.split(r"\s+", text)), len(text.encode("utf-8"))
     assert (r["tokens"], r["words"], r["bytes"]) == (len(x) - 1, words, n_bytes)

@@ -8,7 +8,8 @@
   continues from it (exactly: the losses of an uninterrupted run); under DDP, SIGTERM to the launcher (which
   forwards it to its workers) stops both ranks at the same step.
 
-The subprocesses (train.py runs that train until they are signalled) start together at module start.
+The subprocesses (train.py runs that train until they are signalled) start together at module start; the tests of
+the in-process runs come first, while they start, theirs last.
 """
 import fcntl
 import json
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,11 +80,40 @@ def stopped_line(output: str, name: str) -> re.Match:
     return match
 
 
+class Stopper(threading.Thread):
+    """Sends `signum` to `proc` once it has logged step `step` to out_dir/metrics.jsonl, then waits for it to end;
+    `outcome()`: its output, its exit status and the seconds from the signal to its end."""
+
+    def __init__(self, proc, out_dir: Path, step: int, signum: int):
+        super().__init__(daemon=True)
+        self.proc, self.out_dir, self.step, self.signum = proc, out_dir, step, signum
+        self.result, self.error = None, None
+        self.start()
+
+    def run(self):
+        try:
+            wait_for_step(self.proc, self.out_dir, self.step)
+            signalled = time.time()
+            self.proc.send_signal(self.signum)
+            out, _ = self.proc.communicate(timeout=120)
+            self.result = out, self.proc.returncode, time.time() - signalled
+        except BaseException as error:  # noqa: BLE001 - pytest.fail's, or a timeout: raised in the test
+            self.error = error
+
+    def outcome(self) -> tuple[str, int, float]:
+        self.join(timeout=400)
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None, "the run did not end within 400 s"
+        return self.result
+
+
 class Victims:
-    """TERM, INT: single-process runs to be sent SIGTERM / SIGINT (TERM with 2 accumulation steps per optimizer
-    step); DDP: a 2-rank CPU DDP run whose launcher gets SIGTERM (all three THROTTLED_TRAIN); DDP_REFUSED: a 2-rank
-    launch of train.py into a folder whose lock this test process holds, as a live run does (flock on .train.lock,
-    which names it)."""
+    """Started at module start (their tests come last): INT, a single-process run holding its folder until its test
+    sends SIGINT; TERM, a single-process run with 2 accumulation steps per optimizer step, and DDP, a 2-rank CPU DDP
+    run, sent SIGTERM (DDP: its launcher) at steps 2 and 1 by `Stopper` threads (all three THROTTLED_TRAIN);
+    DDP_REFUSED: a 2-rank launch of train.py into a folder whose lock this test process holds, as a live run does
+    (flock on .train.lock, which names it)."""
 
     def __init__(self, text, root: Path):
         self.text, self.root = text, root
@@ -103,6 +134,8 @@ class Victims:
         self.lock.flush()
         self.ddp_refused = popen(ddp_launch() + ["train.py", *tiny_args(text, self.locked_dir, max_steps=2, **QUICK)],
                                  env=ddp_env)
+        self.term_stopper = Stopper(self.term, self.term_dir, 2, signal.SIGTERM)
+        self.ddp_stopper = Stopper(self.ddp, self.ddp_dir, 1, signal.SIGTERM)
 
     def stop(self):
         self.lock.close()
@@ -112,7 +145,7 @@ class Victims:
                 proc.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def victims(small_text, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the in-process runs share the 2 cores with the subprocesses (and match their numerics)
@@ -136,129 +169,6 @@ def snapshot(out: Path) -> dict:
     """Every file under `out` (but the lock file) and its bytes."""
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
             if p.is_file() and p.name != LOCK_FILE}
-
-
-# ------------------------------------------------------------------------------------ one live run per folder
-def test_a_second_run_into_a_live_runs_folder_is_refused_naming_its_pid(victims, small_text, capsys):
-    """Two runs at once into one folder used to both "succeed", their metrics interleaved and their checkpoints
-    overwriting each other's."""
-    import train
-
-    wait_for_step(victims.term, victims.term_dir, 1)
-    before = (victims.term_dir / "metrics.jsonl").read_text()
-    assert train.cli(tiny_args(small_text, victims.term_dir, max_steps=1, **QUICK)) == 1
-    err = capsys.readouterr().err
-    assert err == (f"error: --output_dir {victims.term_dir} is in use by another run (PID {victims.term.pid} on "
-                   f"{HOST}, which holds {victims.term_dir / LOCK_FILE}): wait for it to end or stop it, or choose "
-                   f"another --output_dir\n")
-    assert (victims.term_dir / "metrics.jsonl").read_text().startswith(before)  # not truncated: the first run goes on
-    assert victims.term.poll() is None and not (victims.term_dir / "model.safetensors").exists()
-
-
-def test_the_lock_is_released_with_its_holder(tmp_path):
-    from bilinear_lm.training.output_dir import OutputDirLock
-
-    first = OutputDirLock(tmp_path)
-    assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()} {HOST}\n"
-    with pytest.raises(TrainingInputError, match=rf"in use by another run \(PID {os.getpid()} on "):
-        OutputDirLock(tmp_path)  # flock: two open files of one process exclude each other too
-    first.release()
-    OutputDirLock(tmp_path).release()
-    # a holder that dies (SIGKILL: no clean-up) releases it: the kernel drops the flock with the process
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)",
-                               str(tmp_path / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline() == "locked\n"
-    with pytest.raises(TrainingInputError, match="in use by another run"):
-        OutputDirLock(tmp_path)
-    holder.kill()
-    holder.wait()
-    OutputDirLock(tmp_path).release()
-
-
-# ------------------------------------------------------------------------------- signals (victims die early)
-def test_sigterm_saves_a_checkpoint_at_the_step_boundary(victims):
-    """Before, SIGTERM ended the run with exit 143, no output and nothing saved since the last checkpoint."""
-    wait_for_step(victims.term, victims.term_dir, 2)
-    victims.term.send_signal(signal.SIGTERM)
-    out, _ = victims.term.communicate(timeout=120)
-    assert victims.term.returncode == 143, out[-3000:]
-    match = stopped_line(out, "SIGTERM")
-    step, checkpoint = int(match[1]), Path(match[2])
-    assert checkpoint == victims.term_dir / "checkpoints" / f"step_{step}" and verify_checkpoint(checkpoint) is None
-    assert sorted(p.name for p in (victims.term_dir / "checkpoints").iterdir()) == [f"step_{step}"]
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
-    assert "Traceback" not in out and not (victims.term_dir / "model.safetensors").exists()
-    stopped_metrics = read_metrics(victims.term_dir / "metrics.jsonl")
-    assert [r["step"] for r in stopped_metrics] == list(range(1, step + 1))
-    victims.term_step = step
-
-
-def test_sigint_saves_a_checkpoint_without_a_traceback_and_latest_continues(victims, small_text, capsys):
-    """Before, Ctrl-C printed a KeyboardInterrupt traceback and saved nothing."""
-    import train
-
-    wait_for_step(victims.int, victims.int_dir, 1)
-    victims.int.send_signal(signal.SIGINT)
-    out, _ = victims.int.communicate(timeout=120)
-    assert victims.int.returncode == 130, out[-3000:]
-    step = int(stopped_line(out, "SIGINT")[1])
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    assert verify_checkpoint(victims.int_dir / "checkpoints" / f"step_{step}") is None
-    final = train.main(tiny_args(small_text, victims.int_dir, **dict(UNTIL_SIGNALLED, max_steps=step + 1))
-                       + ["--resume_from_checkpoint", "latest"])
-    assert final["step"] == step + 1
-    assert f"resumed from {victims.int_dir / 'checkpoints' / f'step_{step}'} at step {step}" in capsys.readouterr().out
-
-
-def test_two_rank_ddp_sigterm_to_the_launcher_stops_both_ranks_at_one_step(victims):
-    """`accelerate launch --multi_gpu` (torchrun) forwards the SIGTERM it gets to its workers (each in its own
-    session), waits for them up to 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then exits 1 with its own SignalException
-    traceback. Both ranks save one checkpoint at the same step (a rank that stopped alone would leave the other
-    waiting in a collective) and the main one prints the line."""
-    wait_for_step(victims.ddp, victims.ddp_dir, 1)
-    signalled = time.time()
-    victims.ddp.send_signal(signal.SIGTERM)
-    out, _ = victims.ddp.communicate(timeout=120)
-    assert time.time() - signalled < 30, out[-3000:]  # before the launcher's SIGKILL
-    assert victims.ddp.returncode == 1, out[-3000:]
-    assert "torch.distributed.elastic.multiprocessing.api.SignalException" in out
-    match = stopped_line(out, "SIGTERM")
-    step, checkpoint = int(match[1]), Path(match[2])
-    assert verify_checkpoint(checkpoint) is None
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
-    assert read_metrics(victims.ddp_dir / "metrics.jsonl")[-1]["step"] == step
-    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
-
-
-def test_two_rank_ddp_into_a_locked_folder_is_refused_on_every_rank_without_hanging(victims):
-    out, _ = victims.ddp_refused.communicate(timeout=300)
-    assert victims.ddp_refused.returncode != 0, out[-3000:]
-    errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert sorted(errors) == sorted([  # the main process's reason, and the other rank's
-        f"error: --output_dir {victims.locked_dir} is in use by another run (PID {os.getpid()} on {HOST}, which "
-        f"holds {victims.locked_dir / LOCK_FILE}): wait for it to end or stop it, or choose another --output_dir",
-        f"error: claiming --output_dir {victims.locked_dir} failed on process 0 (its error is printed above); "
-        f"stopping process 1 too"]), out[-3000:]
-    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
-    assert sorted(p.name for p in victims.locked_dir.iterdir()) == [LOCK_FILE]
-
-
-def test_latest_continues_a_sigterm_checkpoint_as_if_uninterrupted(victims, small_text, tmp_path):
-    """The checkpoint of a SIGTERM (at step N, 2 micro-batches per optimizer step) resumed to N + 2: the losses of
-    every step are those of a run that was never stopped."""
-    import train
-
-    step = victims.term_step
-    assert step, "SIGTERM did not stop the run (test_sigterm_saves_a_checkpoint_at_the_step_boundary)"
-    args = dict(victims.term_args, max_steps=step + 2)
-    final = train.main(tiny_args(small_text, victims.term_dir, **args) + ["--resume_from_checkpoint", "latest"])
-    assert final["step"] == step + 2
-    train.main(tiny_args(small_text, tmp_path / "uninterrupted", **args))
-    resumed = losses(read_metrics(victims.term_dir / "metrics.jsonl"))
-    assert sorted(resumed) == list(range(1, step + 3))
-    assert resumed == pytest.approx(losses(read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")), abs=1e-5)
 
 
 # ------------------------------------------------------------------------- another run's results are not mixed
@@ -386,6 +296,28 @@ def test_overwrite_is_a_flag_of_the_training_config():
     assert parse_config(["--overwrite_output_dir"]).train.overwrite_output_dir is True
 
 
+# ------------------------------------------------------------------------------ the lock goes with its holder
+def test_the_lock_is_released_with_its_holder(tmp_path):
+    from bilinear_lm.training.output_dir import OutputDirLock
+
+    first = OutputDirLock(tmp_path)
+    assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()} {HOST}\n"
+    with pytest.raises(TrainingInputError, match=rf"in use by another run \(PID {os.getpid()} on "):
+        OutputDirLock(tmp_path)  # flock: two open files of one process exclude each other too
+    first.release()
+    OutputDirLock(tmp_path).release()
+    # a holder that dies (SIGKILL: no clean-up) releases it: the kernel drops the flock with the process
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)",
+                               str(tmp_path / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(TrainingInputError, match="in use by another run"):
+        OutputDirLock(tmp_path)
+    holder.kill()
+    holder.wait()
+    OutputDirLock(tmp_path).release()
+
+
 # ----------------------------------------------------------------------------------------- StopOnSignal
 class FakeRanks:
     """Two ranks' flags as `accelerator.gather` would give them to each."""
@@ -444,3 +376,100 @@ def test_a_second_signal_stops_at_once_but_a_repeated_sigterm(monkeypatch, first
         stop._handle(second, None)
         assert stop.signum == first and raised == ([second] if at_once else [])
         assert (signal.getsignal(second) is signal.SIG_DFL) == at_once
+
+
+# ------------------------------------------------------------------------- one live run per folder (victims)
+def test_a_second_run_into_a_live_runs_folder_is_refused_naming_its_pid(victims, small_text, capsys):
+    """Two runs at once into one folder used to both "succeed", their metrics interleaved and their checkpoints
+    overwriting each other's."""
+    import train
+
+    wait_for_step(victims.int, victims.int_dir, 1)
+    before = (victims.int_dir / "metrics.jsonl").read_text()
+    assert train.cli(tiny_args(small_text, victims.int_dir, max_steps=1, **QUICK)) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: --output_dir {victims.int_dir} is in use by another run (PID {victims.int.pid} on "
+                   f"{HOST}, which holds {victims.int_dir / LOCK_FILE}): wait for it to end or stop it, or choose "
+                   f"another --output_dir\n")
+    assert (victims.int_dir / "metrics.jsonl").read_text().startswith(before)  # not truncated: the first run goes on
+    assert victims.int.poll() is None and not (victims.int_dir / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------- signals (victims)
+def test_sigterm_saves_a_checkpoint_at_the_step_boundary(victims):
+    """Before, SIGTERM ended the run with exit 143, no output and nothing saved since the last checkpoint."""
+    out, status, _ = victims.term_stopper.outcome()
+    assert status == 143, out[-3000:]
+    match = stopped_line(out, "SIGTERM")
+    step, checkpoint = int(match[1]), Path(match[2])
+    assert checkpoint == victims.term_dir / "checkpoints" / f"step_{step}" and verify_checkpoint(checkpoint) is None
+    assert sorted(p.name for p in (victims.term_dir / "checkpoints").iterdir()) == [f"step_{step}"]
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert "Traceback" not in out and not (victims.term_dir / "model.safetensors").exists()
+    stopped_metrics = read_metrics(victims.term_dir / "metrics.jsonl")
+    assert [r["step"] for r in stopped_metrics] == list(range(1, step + 1))
+    victims.term_step = step
+
+
+def test_sigint_saves_a_checkpoint_without_a_traceback_and_latest_continues(victims, small_text, capsys):
+    """Before, Ctrl-C printed a KeyboardInterrupt traceback and saved nothing."""
+    import train
+
+    wait_for_step(victims.int, victims.int_dir, 1)
+    victims.int.send_signal(signal.SIGINT)
+    out, _ = victims.int.communicate(timeout=120)
+    assert victims.int.returncode == 130, out[-3000:]
+    step = int(stopped_line(out, "SIGINT")[1])
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert verify_checkpoint(victims.int_dir / "checkpoints" / f"step_{step}") is None
+    final = train.main(tiny_args(small_text, victims.int_dir, **dict(UNTIL_SIGNALLED, max_steps=step + 1))
+                       + ["--resume_from_checkpoint", "latest"])
+    assert final["step"] == step + 1
+    assert f"resumed from {victims.int_dir / 'checkpoints' / f'step_{step}'} at step {step}" in capsys.readouterr().out
+
+
+def test_two_rank_ddp_sigterm_to_the_launcher_stops_both_ranks_at_one_step(victims):
+    """`accelerate launch --multi_gpu` (torchrun) forwards the SIGTERM it gets to its workers (each in its own
+    session), waits for them up to 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then exits 1 with its own SignalException
+    traceback. Both ranks save one checkpoint at the same step (a rank that stopped alone would leave the other
+    waiting in a collective) and the main one prints the line."""
+    out, status, seconds = victims.ddp_stopper.outcome()
+    assert seconds < 30, out[-3000:]  # before the launcher's SIGKILL
+    assert status == 1, out[-3000:]
+    assert "torch.distributed.elastic.multiprocessing.api.SignalException" in out
+    match = stopped_line(out, "SIGTERM")
+    step, checkpoint = int(match[1]), Path(match[2])
+    assert verify_checkpoint(checkpoint) is None
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert read_metrics(victims.ddp_dir / "metrics.jsonl")[-1]["step"] == step
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
+
+
+def test_two_rank_ddp_into_a_locked_folder_is_refused_on_every_rank_without_hanging(victims):
+    out, _ = victims.ddp_refused.communicate(timeout=300)
+    assert victims.ddp_refused.returncode != 0, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert sorted(errors) == sorted([  # the main process's reason, and the other rank's
+        f"error: --output_dir {victims.locked_dir} is in use by another run (PID {os.getpid()} on {HOST}, which "
+        f"holds {victims.locked_dir / LOCK_FILE}): wait for it to end or stop it, or choose another --output_dir",
+        f"error: claiming --output_dir {victims.locked_dir} failed on process 0 (its error is printed above); "
+        f"stopping process 1 too"]), out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
+    assert sorted(p.name for p in victims.locked_dir.iterdir()) == [LOCK_FILE]
+
+
+def test_latest_continues_a_sigterm_checkpoint_as_if_uninterrupted(victims, small_text, tmp_path):
+    """The checkpoint of a SIGTERM (at step N, 2 micro-batches per optimizer step) resumed to N + 2: the losses of
+    every step are those of a run that was never stopped."""
+    import train
+
+    step = victims.term_step
+    assert step, "SIGTERM did not stop the run (test_sigterm_saves_a_checkpoint_at_the_step_boundary)"
+    args = dict(victims.term_args, max_steps=step + 2)
+    final = train.main(tiny_args(small_text, victims.term_dir, **args) + ["--resume_from_checkpoint", "latest"])
+    assert final["step"] == step + 2
+    train.main(tiny_args(small_text, tmp_path / "uninterrupted", **args))
+    resumed = losses(read_metrics(victims.term_dir / "metrics.jsonl"))
+    assert sorted(resumed) == list(range(1, step + 3))
+    assert resumed == pytest.approx(losses(read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")), abs=1e-5)

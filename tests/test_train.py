@@ -83,13 +83,36 @@ sys.exit(train.cli())
 """
 
 
+LAUNCHER_NOTICE = re.compile(r"The following values were not passed to `accelerate launch` and had defaults used "
+                             r"instead:\n(\t.*\n)+To avoid this warning .* run `accelerate config`\.\n")
+
+
+README_COMMAND = re.compile(r"^accelerate launch (.*)train\.py (--config bilinear_lm/configs/tiny\.yaml)$", re.M)
+
+
+def readme_launch(root):
+    """The README's command (README_COMMAND) as it is written, on a missing --train_file (ROOT/missing.txt), in the
+    background (stdout and stderr apart); None where the README has no such line."""
+    import shlex
+
+    command = README_COMMAND.search((REPO / "README.md").read_text())
+    if command is None:
+        return None
+    args = [*shlex.split(command.group(2)), "--train_file", str(root / "missing.txt"), "--output_dir",
+            str(root / "readme_out")]
+    return subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *shlex.split(command.group(1)),
+                             "train.py", *args], cwd=REPO,
+                            env={**ENV, "HF_HOME": str(root / "hf")},  # no accelerate config of this machine's
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 class Runs:
     """Starts every subprocess at once (they are single-threaded; 2 cores) and lets tests wait for them.
 
     A: uninterrupted run. B: the identical run, SIGKILLed right after its first checkpoint (a watcher
     thread), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps, recording
     each rank's batches. DDP_FAIL: 2-rank CPU DDP whose main process fails while building the tokenizer (it fails
-    within seconds).
+    within seconds). README: the README's command on a missing --train_file (`readme_launch`).
     """
 
     def __init__(self, small_text, root):
@@ -113,6 +136,7 @@ class Runs:
         self.ddp_fail = self._popen(
             self._ddp_launch() + ["train.py", *tiny_args(small_text, root / "ddp_fail", tokenizer="/nonexistent/dir")],
             env={**ENV, "ACCELERATE_USE_CPU": "1"})
+        self.readme_missing, self.readme = root / "missing.txt", readme_launch(root)
         self.killed_records, self.resumed = None, None
         self.watcher = threading.Thread(target=self._kill_and_resume, daemon=True)
         self.watcher.start()
@@ -148,7 +172,7 @@ class Runs:
 
     def stop(self):
         self.watcher.join(timeout=400)
-        for proc in (self.a, self.b, self.ddp, self.ddp_fail, self.resumed):
+        for proc in (self.a, self.b, self.ddp, self.ddp_fail, self.readme, self.resumed):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -398,33 +422,6 @@ def test_eval_lm_harness_flag_calls_run_lm_eval(small_text, tmp_path, monkeypatc
     assert calls == [("BilinearForCausalLM", len(AutoTokenizer.from_pretrained(out)), ["lambada_openai", "arc_easy"], 3)]
     assert json.loads((out / "lm_harness.json").read_text()) == {
         t: {"acc": 0.5, "acc_stderr": "N/A"} for t in ("lambada_openai", "arc_easy")}
-
-
-LAUNCHER_NOTICE = re.compile(r"The following values were not passed to `accelerate launch` and had defaults used "
-                             r"instead:\n(\t.*\n)+To avoid this warning .* run `accelerate config`\.\n")
-
-
-def test_the_readmes_command_fails_with_one_line_under_accelerate_launch(tmp_path):
-    """The README's command on a bad input (a missing --train_file), run as it is written: train.py's one `error:`
-    line is all that follows the launcher's notice of its defaults (printed at every launch, before train.py starts),
-    and the exit status is not 0. Without -q Accelerate's launcher re-raised the non-zero exit as a CalledProcessError
-    traceback (12 lines)."""
-    import shlex
-
-    readme = (REPO / "README.md").read_text()
-    command = re.search(r"^accelerate launch (.*)train\.py (--config bilinear_lm/configs/tiny\.yaml)$", readme, re.M)
-    assert command, "the README's main command"
-    launcher = shlex.split(command.group(1))
-    args = [*shlex.split(command.group(2)), "--train_file", str(tmp_path / "missing.txt"), "--output_dir",
-            str(tmp_path / "out")]
-    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "train.py", *args], cwd=REPO,
-                          env={**ENV, "HF_HOME": str(tmp_path / "hf")},  # no accelerate config of this machine's
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    notice = LAUNCHER_NOTICE.match(done.stderr)
-    after = done.stderr[notice.end():] if notice else done.stderr
-    assert after == f"error: training file '{tmp_path / 'missing.txt'}' does not exist (resolved to " \
-                    f"{tmp_path / 'missing.txt'}); check the path\n", done.stderr
 
 
 # ---------------------------------------------------------------- checkpoints you can trust (issue 23 item 4)
@@ -679,6 +676,20 @@ def test_two_rank_cpu_ddp_fails_on_every_rank_when_the_main_one_fails(runs):
     assert "error: building the tokenizer failed on process 0 (its error is printed above); stopping process 1 too" \
         in out, out[-4000:]
     assert "[rank1]: Traceback" not in out and "Connection closed by peer" not in out, out[-4000:]
+
+
+def test_the_readmes_command_fails_with_one_line_under_accelerate_launch(runs):
+    """The README's command on a bad input (a missing --train_file), run as it is written: train.py's one `error:`
+    line is all that follows the launcher's notice of its defaults (printed at every launch, before train.py starts),
+    and the exit status is not 0. Without -q Accelerate's launcher re-raised the non-zero exit as a CalledProcessError
+    traceback (12 lines)."""
+    assert runs.readme is not None, "the README's main command"
+    _, stderr = runs.readme.communicate(timeout=300)
+    assert runs.readme.returncode != 0
+    notice = LAUNCHER_NOTICE.match(stderr)
+    after = stderr[notice.end():] if notice else stderr
+    assert after == f"error: training file '{runs.readme_missing}' does not exist (resolved to " \
+                    f"{runs.readme_missing}); check the path\n", stderr
 
 
 def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(small_text, tmp_path, capsys):

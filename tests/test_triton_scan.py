@@ -22,6 +22,48 @@ def relative_error(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+# triton.compile of both kernels for an H100 (sm_90; ptxas ships with Triton, no GPU needed) at the padded ranks given
+# as arguments, each kernel's ptxas log printed (TRITON_DUMP_PTXAS_LOG)
+SM90_SCRIPT = textwrap.dedent("""
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from bilinear_lm.modeling import scan_triton as ts
+
+    common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
+    forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",
+                                          "S_ptr"]},
+               **common, **{a: "i32" for a in "T N B R H chunk offset".split()}}
+    backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "DGT_ptr", "DP_ptr", "dp0_ptr", "dps_ptr"]},
+                **common, **{a: "i32" for a in "T N B R".split()}}
+    for RP in map(int, sys.argv[1:]):
+        flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP,
+                 "PRECISION": ts.dot_precision(RP)}
+        for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP}),
+                                          (ts._backward_kernel, backward, flags)):
+            source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)
+            print("kernel", kernel.fn.__name__, RP, flush=True)
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ts.num_warps(RP)})
+    print("compiled")
+""")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sm90_compile(tmp_path_factory):
+    """SM90_SCRIPT at every padded rank the kernels use, in a process started at module start (the interpreter's
+    tests run meanwhile), without TRITON_INTERPRET and with a fresh Triton cache (ptxas reruns)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.Popen([sys.executable, "-c", SM90_SCRIPT, "16", "32", "64", "128"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**env, "TRITON_DUMP_PTXAS_LOG": "1",
+                                 "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton_cache"))})
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("T,B,R,H,chunk,offset,masked,restarts,scale,dtype", [
     (1, 3, 6, 6, 1, 0, False, False, 1.0, torch.float32),
     (21, 24, 6, 5, 4, 1, True, True, 1.0, torch.float64),  # two 16-row blocks, the second partial
@@ -87,43 +129,10 @@ def test_explicit_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypat
         cp_recurrence(u, torch.ones(1, 2, 2), torch.ones(1, 2, 2), torch.ones(1, 2), impl="triton")
 
 
-def test_kernels_compile_for_an_h100_without_register_spills(tmp_path):
-    """``triton.compile`` for sm_90 (ptxas ships with Triton; no GPU needed) at every padded rank the kernels use (two
-    processes, each half of the ranks: ptxas is single-threaded)."""
-    script = textwrap.dedent("""
-        import sys
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from bilinear_lm.modeling import scan_triton as ts
-
-        common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
-        forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",
-                                              "S_ptr"]},
-                   **common, **{a: "i32" for a in "T N B R H chunk offset".split()}}
-        backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "DGT_ptr", "DP_ptr", "dp0_ptr", "dps_ptr"]},
-                    **common, **{a: "i32" for a in "T N B R".split()}}
-        for RP in map(int, sys.argv[1:]):
-            flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP,
-                     "PRECISION": ts.dot_precision(RP)}
-            for kernel, signature, consts in ((ts._forward_kernel, forward, {**flags, "HP": RP}),
-                                              (ts._backward_kernel, backward, flags)):
-                source = ASTSource(kernel, {**signature, **{k: "constexpr" for k in consts}}, consts)
-                print("kernel", kernel.fn.__name__, RP, flush=True)
-                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ts.num_warps(RP)})
-        print("compiled")
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    processes = [subprocess.Popen([sys.executable, "-c", script, *ranks], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True,
-                                  env={**env, "TRITON_DUMP_PTXAS_LOG": "1",  # a fresh cache: ptxas reruns
-                                       "TRITON_CACHE_DIR": str(tmp_path / ranks[0])})
-                 for ranks in (["16", "128"], ["32", "64"])]
-    stdout = ""
-    for process in processes:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0 and "compiled" in out, err[-3000:]
-        stdout += out
+def test_kernels_compile_for_an_h100_without_register_spills(sm90_compile):
+    """Both kernels at every padded rank compile for sm_90 and spill no register."""
+    stdout, err = sm90_compile.communicate(timeout=300)
+    assert sm90_compile.returncode == 0 and "compiled" in stdout, err[-3000:]
     kernels = re.findall(r"kernel (\w+) (\d+)", stdout)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", stdout)]
     assert len(spills) == len(kernels) == 8, stdout[-3000:]
