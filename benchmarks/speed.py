@@ -9,14 +9,16 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
 - ``train``: training tokens/s (forward + backward + AdamW step) at each sequence length, fp32 and bf16
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
   Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines), and on request
-  ``hybrid-K`` (every K-th layer full attention, the others bilinear, not parameter-matched); plus model FLOPs
+  ``hybrid-K`` (every K-th layer full attention, the others bilinear) and ``memory-K`` (K memory heads of 32 x 32
+  beside each mixer's tracking heads), both not parameter-matched; plus model FLOPs
   utilization and the share of the bilinear step spent in the recurrence.
 - ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
-  bilinear (recurrent state; and the ``hybrid-K`` of ``--models``) against Llama (KV cache).
+  bilinear (recurrent state; and the ``hybrid-K`` / ``memory-K`` of ``--models``) against Llama (KV cache).
 - ``compiled``: decoding ms/token eager (``BilinearCache``) against the compiled step of
   ``generate(..., cache_implementation="static")`` (``BilinearStaticCache``), alternating in rounds, for every size
-  and context, bilinear and the ``hybrid-K`` of ``--models``; the first compiled call's seconds (compilation, from a
-  fresh Inductor cache unless ``--compile-cache``), prefill tokens/s, the weights' bytes per token over the time.
+  and context, bilinear and the ``hybrid-K`` / ``memory-K`` of ``--models``; the first compiled call's seconds
+  (compilation, from a fresh Inductor cache unless ``--compile-cache``), prefill tokens/s, the weights' bytes per
+  token over the time.
 - ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
   rank 256, batch 64, lengths 2-10).
 
@@ -48,6 +50,7 @@ SIZES = {
     "25M": dict(hidden_size=512, num_hidden_layers=8, num_heads=8, state_size=64, rank=64),
 }
 TRAIN_MODELS = ("bilinear", "bilinear-reference", "llama", "mamba", "lstm")
+SIZED_MODELS = ("hybrid-", "memory-")  # bilinear variants named with a count: hybrid-K, memory-K
 PARTS = ("peak", "train", "generate", "compiled", "probe")
 PRECISIONS = ("fp32", "bf16")
 
@@ -82,6 +85,9 @@ def build(name: str, size: str, max_positions: int = 4096):
     if name.startswith("hybrid-"):
         layer_types = interleaved_layer_types(model_cfg["num_hidden_layers"], int(name.removeprefix("hybrid-")))
         return build_model("bilinear", {**model_cfg, "layer_types": layer_types}, VOCAB)
+    if name.startswith("memory-"):
+        memory = dict(memory_heads=int(name.removeprefix("memory-")), memory_key_size=32, memory_value_size=32)
+        return build_model("bilinear", {**model_cfg, **memory}, VOCAB)
     model = build_model(name, model_cfg, VOCAB)
     if name == "llama":
         model.config.max_position_embeddings = max_positions
@@ -234,7 +240,7 @@ def part_generate(args):
     lines = ["| size | model | context | ms/token | cache KiB |", "|---|---|---|---|---|"]
     latency = {}
     size = args.sizes[-1]
-    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith("hybrid-"))):
+    for name in ("bilinear", "llama", *(m for m in args.models if m.startswith(SIZED_MODELS))):
         torch.manual_seed(0)
         model = build(name, size, max_positions=max(args.contexts) + 64).eval()
         for context in args.contexts:
@@ -275,7 +281,7 @@ def part_compiled(args):
              "|---|---|---|---|---|---|---|---|---|---|"]
     rounds = 4
     for size in args.sizes:
-        for name in ("bilinear", *(m for m in args.models if m.startswith("hybrid-"))):
+        for name in ("bilinear", *(m for m in args.models if m.startswith(SIZED_MODELS))):
             torch.manual_seed(0)
             model = build(name, size).eval()
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -360,9 +366,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
                                   ("--models", args.models, TRAIN_MODELS), ("--precisions", args.precisions, PRECISIONS)):
-        sized = " or hybrid-K" if flag == "--models" else ""
+        sized = " or hybrid-K or memory-K" if flag == "--models" else ""
         for value in values:
-            if value not in choices and not (sized and re.fullmatch(r"hybrid-[1-9]\d*", value)):
+            if value not in choices and not (sized and re.fullmatch(r"(hybrid|memory)-[1-9]\d*", value)):
                 parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}{sized}")
 
     kept = keep_freed_memory()  # as train.py

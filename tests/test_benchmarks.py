@@ -48,17 +48,22 @@ def test_train_part_with_any_precision_subset(untimed, precisions, capsys):
     assert (cells[9] == "-") == ("fp32" not in measured)  # the recurrence share is an fp32 measurement
 
 
-def test_generate_part_runs_a_hybrid(untimed, monkeypatch, capsys):
-    """Decode rows for a 1:1 hybrid next to bilinear and Llama, each with its cache's bytes: the recurrent state's
-    constant, the hybrid's growing with the context (its attention layer's keys)."""
+def test_generate_part_runs_a_hybrid_and_memory_heads(untimed, monkeypatch, capsys):
+    """Decode rows for a 1:1 hybrid and a model with one memory head per layer next to bilinear and Llama, each with
+    its cache's bytes: the recurrent state's constant, the hybrid's growing with the context (its attention layer's
+    keys), the memory heads' a constant 32 x 32 matrix, its coordinate and a convolution window of 3 x 96 more per
+    layer."""
     monkeypatch.setitem(speed.SIZES, "tiny", {**speed.SIZES["tiny"], "num_hidden_layers": 2})
-    speed.main(["--parts", "generate", "--sizes", "tiny", "--models", "hybrid-2", "--contexts",
+    speed.main(["--parts", "generate", "--sizes", "tiny", "--models", "hybrid-2,memory-1", "--contexts",
                 "8,16", "--new-tokens", "2"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
     cache = {(r[2].strip(), int(r[3])): float(r[5]) for r in rows}
-    assert {m for m, _ in cache} == {"bilinear", "llama", "hybrid-2"}
+    assert {m for m, _ in cache} == {"bilinear", "llama", "hybrid-2", "memory-1"}
     assert cache[("bilinear", 8)] == cache[("bilinear", 16)] > 0
     assert cache[("hybrid-2", 16)] > cache[("hybrid-2", 8)]
+    memory_kib = 2 * (32 * 32 + 1 + 3 * 96) * 4 / 2 ** 10  # fp32, batch 1, two layers
+    for context in (8, 16):
+        assert cache[("memory-1", context)] == pytest.approx(cache[("bilinear", context)] + memory_kib, abs=0.01)
 
 
 def test_output_writes_the_printed_tables_to_the_named_file_only(untimed, tmp_path, capsys):
