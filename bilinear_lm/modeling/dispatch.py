@@ -25,6 +25,7 @@ from .configuration_bilinear import RECURRENCE_IMPLS as IMPLS
 from .recurrence import SAFE_MAX, SAFE_MIN, CPTransition, is_boundary, reference_recurrence, reference_step
 from .scan import scan_backward as torch_scan_backward
 from .scan import scan_forward as torch_scan_forward
+from .scan import sequence_major
 
 try:  # the compiled CPU kernels ship with the package; remote code (save_pretrained) runs PyTorch without them
     from bilinear_lm.kernels.cpu import load as load_cpu_kernels
@@ -127,38 +128,37 @@ def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Ten
 @cp_scan.register_fake
 def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, impl):
     T, N, B, R = u.shape
-    return torch.empty_like(u), u.new_empty(T + 1, N, B, R), u.new_empty(T, N, B, 1)
+    return sequence_major(u, T, N, B, R), sequence_major(u, T, N, B, R), sequence_major(u, T, N, B, 1)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan_backward", mutates_args=())
-def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
+def cp_scan_backward(dG: torch.Tensor, u: torch.Tensor, S: torch.Tensor, P: torch.Tensor, p0: torch.Tensor,
+                     p_start: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
                      impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan's reverse loop: ``(DGT, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
-    DGT, DP = torch.empty_like(su), torch.empty_like(su)
-    dp0, dp_start = _scan_functions(impl)[1](dG, su, MtT, keep, restart, DGT, DP)
-    return DGT, DP, dp0, dp_start
+    """The scan's reverse loop: ``(du, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
+    return tuple(_scan_functions(impl)[1](dG, u, S, P, p0, p_start, MtT, keep, restart))
 
 
 @cp_scan_backward.register_fake
-def _(dG, su, MtT, keep, restart, impl):
-    return torch.empty_like(su), torch.empty_like(su), su.new_empty(su.shape[1:]), su.new_empty(su.shape[1:])
+def _(dG, u, S, P, p0, p_start, MtT, keep, restart, impl):
+    T, N, B, R = u.shape
+    return torch.empty_like(u), sequence_major(u, T, N, B, R), u.new_empty(N, B, R), u.new_empty(N, B, R)
 
 
 def _cp_scan_setup_context(ctx, inputs, output):
-    u, Mt, _, keep, _, _, _, restart, _, impl = inputs
+    u, Mt, p0, keep, _, _, _, restart, p_start, impl = inputs
     G, P, S = output
-    ctx.save_for_backward(u, Mt, keep, restart, G, P, S)
+    ctx.save_for_backward(u, Mt, p0, keep, restart, p_start, G, P, S)
     ctx.impl = impl
+    ctx.set_materialize_grads(False)  # P and S feed nothing differentiable: no zeros for their gradients
 
 
 def _cp_scan_backward_rule(ctx, dG, dP, dS):
-    """Gradients of ``u``, ``Mt``, ``p0`` and ``p_start`` (``P`` and ``S`` feed nothing differentiable)."""
-    u, Mt, keep, restart, G, P, S = ctx.saved_tensors
-    T = u.shape[0]
-    DGT, DP, dp0, dp_start = cp_scan_backward(dG.contiguous(), S * u, Mt.transpose(1, 2).contiguous(), keep, restart,
-                                              ctx.impl)
-    du = S * P[:T] * DGT  # P[t] is step t's input: p_start at a restart
-    dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
+    """Gradients of ``u``, ``Mt``, ``p0`` and ``p_start``."""
+    u, Mt, p0, keep, restart, p_start, G, P, S = ctx.saved_tensors
+    du, DP, dp0, dp_start = cp_scan_backward(dG, u, S, P, p0, p_start, Mt.transpose(1, 2).contiguous(), keep, restart,
+                                             ctx.impl)
+    dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)  # G and DP sequence-major: per-head matmuls, no copies
     return du, dMt, dp0, None, None, None, None, None, dp_start.sum(1) if restart.numel() else None, None
 
 
@@ -189,7 +189,9 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
     if reset is not None:
         restart = (reset.bool() if mask is None else reset.bool() & mask.bool()).t().contiguous()
         p_start = torch.einsum("nhr,nh->nr", W2, h_start).contiguous()
-    G, _, _ = cp_scan(u.permute(1, 2, 0, 3).contiguous(), Mt.contiguous(), p0, keep, W1.detach().contiguous(), chunk,
+    # The factors permuted to the scan's [T, N, B, R], no copy (the scans read any strides with the rank contiguous);
+    # G comes back sequence-major, so the einsum's per-head matmuls read it in place.
+    G, _, _ = cp_scan(u.contiguous().permute(1, 2, 0, 3), Mt.contiguous(), p0, keep, W1.detach().contiguous(), chunk,
                       offset, restart, p_start, impl)
     states = torch.einsum("nhr,tnbr->btnh", W1, G)
     if mask is not None:

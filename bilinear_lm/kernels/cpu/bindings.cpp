@@ -6,8 +6,9 @@
 std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor Mt, torch::Tensor W1, torch::Tensor keep,
                                         torch::Tensor p0, int64_t chunk, int64_t offset, torch::Tensor restart,
                                         torch::Tensor p_start, double safe_min, double safe_max);
-std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor su, torch::Tensor MtT, torch::Tensor keep,
-                                         torch::Tensor restart, torch::Tensor DGT, torch::Tensor DP);
+std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor u, torch::Tensor S, torch::Tensor P,
+                                         torch::Tensor p0, torch::Tensor p_start, torch::Tensor MtT,
+                                         torch::Tensor keep, torch::Tensor restart);
 std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tensor W1, torch::Tensor W2,
                                    torch::Tensor keep, torch::Tensor restart, torch::Tensor h_start, bool boundary,
                                    bool guard, double safe_min, double safe_max);
@@ -17,8 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   m.def("scan_forward", &scan_forward, arg("u"), arg("Mt"), arg("W1"), arg("keep"), arg("p0"), arg("chunk"),
         arg("offset"), arg("restart"), arg("p_start"), arg("safe_min"), arg("safe_max"));
-  m.def("scan_backward", &scan_backward, arg("dG"), arg("su"), arg("MtT"), arg("keep"), arg("restart"), arg("DGT"),
-        arg("DP"));
+  m.def("scan_backward", &scan_backward, arg("dG"), arg("u"), arg("S"), arg("P"), arg("p0"), arg("p_start"),
+        arg("MtT"), arg("keep"), arg("restart"));
   m.def("cp_step", &cp_step, arg("u"), arg("h"), arg("W1"), arg("W2"), arg("keep"), arg("restart"), arg("h_start"),
         arg("boundary"), arg("guard"), arg("safe_min"), arg("safe_max"));
   m.def("small_batch_linear", &small_batch_linear, arg("x"), arg("W"));
