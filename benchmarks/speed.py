@@ -11,7 +11,8 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
   Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines), and on request
   ``hybrid-K`` (every K-th layer full attention, the others bilinear, not parameter-matched); plus model FLOPs
-  utilization, the share of the bilinear step spent in the recurrence and the minor page faults of an fp32 step.
+  utilization, the share of the bilinear step spent in the recurrence and the minor page faults of an fp32 step
+  (the mean of the timed steps).
 - ``alloc`` (only on request): where a training step's memory comes from, per op, for the ``--models`` at each
   length: the minor page faults inside each op and the MiB of the results it allocates (of 1 MiB and more),
   forward and backward, fp32, the second step of a fresh model (a dispatch mode runs Python between the ops, so
@@ -154,20 +155,21 @@ def part_train(args, peaks):
                 tok_s, faults = {}, "-"
                 for precision in args.precisions:
                     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+                    step_faults = []
 
                     def step():
+                        start = minor_faults()
                         with autocast:
                             loss = model(ids, labels=ids).loss
                         loss.backward()
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
+                        step_faults.append(minor_faults() - start)
 
                     seconds = timed(step, args.min_seconds, args.max_iters)
                     tok_s[precision] = batch * T / seconds
-                    if precision == "fp32":  # one more step: the faults of a step after the timed ones
-                        start = minor_faults()
-                        step()
-                        faults = f"{minor_faults() - start:,}"
+                    if precision == "fp32" and len(step_faults) > 1:  # the timed steps (the untimed first maps more)
+                        faults = f"{sum(step_faults[1:]) // (len(step_faults) - 1):,}"
                     print(f"  {size} {name} T={T} {precision}: {tok_s[precision]:.0f} tok/s", flush=True)
                 flops = model_flops_per_token(model, T)
                 mfu = {p: tok_s[p] * flops / peaks[p] for p in tok_s}
