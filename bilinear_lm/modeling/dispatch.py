@@ -14,7 +14,8 @@
 * :func:`swiglu`, :func:`rms_norm` and :func:`state_norm` are the MLP's gated activation, the blocks' norm and the
   mixer's per-head norm of its states: on CPU fp32/fp64 tensors where the C++ kernels are loaded, outside a compiled
   graph, one pass each way with one output (``fused.cpp``; PyTorch runs each as 3-10 ops that each allocate a
-  result); else the PyTorch formulas. They never build the kernels (the scan or ``transitions.build_kernels`` does).
+  result; first-order gradients only, as the scans); else the PyTorch formulas. They never build the kernels (the
+  scan or ``transitions.build_kernels`` does).
 
 The scans are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through them.
 """
