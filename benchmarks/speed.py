@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Speed of the bilinear LM next to Llama, Mamba and an LSTM, on this machine, in one run.
 
-    python benchmarks/speed.py                       # everything (about 30-40 min on 2 CPU cores)
+    python benchmarks/speed.py                       # every part but alloc (about 30-40 min on 2 CPU cores)
     python benchmarks/speed.py --parts train --sizes 3M --seq-lens 256,1024
+    python benchmarks/speed.py --parts train,alloc --sizes 3M --seq-lens 4096 --models bilinear,llama --malloc default
 
 Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE):
 - ``peak``: measured fp32 and bf16 matmul peak of this CPU (the MFU denominator).
@@ -10,8 +11,12 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
   autocast, for bilinear (recurrence_impl auto = C++ kernel on CPU), bilinear (reference loop), Llama (sdpa),
   Mamba (its PyTorch path) and an LSTM LM, parameter-matched (bilinear_lm.baselines), and on request
   ``hybrid-K`` (every K-th layer full attention, the others bilinear) and ``memory-K`` (K memory heads of 32 x 32
-  beside each mixer's tracking heads), both not parameter-matched; plus model FLOPs
-  utilization and the share of the bilinear step spent in the recurrence.
+  beside each mixer's tracking heads), both not parameter-matched; plus model FLOPs utilization, the share of the
+  bilinear step spent in the recurrence and the minor page faults of an fp32 step (the mean of the timed steps).
+- ``alloc`` (only on request): where a training step's memory comes from, per op, for the ``--models`` at each
+  length: the minor page faults inside each op and the MiB of the results it allocates (of 1 MiB and more),
+  forward and backward, fp32, the second step of a fresh model (a dispatch mode runs Python between the ops, so
+  totals differ a little from a plain step's).
 - ``generate``: per-token decode latency and cache memory after a context of 128 .. 32k tokens,
   bilinear (recurrent state; and the ``hybrid-K`` / ``memory-K`` of ``--models``) against Llama (KV cache).
 - ``compiled``: decoding ms/token eager (``BilinearCache``) against the compiled step of
@@ -33,10 +38,14 @@ import gc
 import itertools
 import os
 import re
+import resource
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
@@ -51,7 +60,7 @@ SIZES = {
 }
 TRAIN_MODELS = ("bilinear", "bilinear-reference", "llama", "mamba", "lstm")
 SIZED_MODELS = ("hybrid-", "memory-")  # bilinear variants named with a count: hybrid-K, memory-K
-PARTS = ("peak", "train", "generate", "compiled", "probe")
+PARTS = ("peak", "train", "alloc", "generate", "compiled", "probe")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -138,7 +147,7 @@ def recurrence_seconds(model, batch: int, seq_len: int) -> float:
 
 def part_train(args, peaks):
     lines = ["| size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU (vs own peak) | "
-             "recurrence share (fp32) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "recurrence share (fp32) | minor faults / step (fp32) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     results = {}
     for size in args.sizes:
         for T in args.seq_lens:
@@ -148,19 +157,24 @@ def part_train(args, peaks):
                 torch.manual_seed(0)
                 model = build(name, size).train()
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                tok_s = {}
+                tok_s, faults = {}, "-"
                 for precision in args.precisions:
                     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+                    step_faults = []
 
                     def step():
+                        start = minor_faults()
                         with autocast:
                             loss = model(ids, labels=ids).loss
                         loss.backward()
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
+                        step_faults.append(minor_faults() - start)
 
                     seconds = timed(step, args.min_seconds, args.max_iters)
                     tok_s[precision] = batch * T / seconds
+                    if precision == "fp32" and len(step_faults) > 1:  # the timed steps (the untimed first maps more)
+                        faults = f"{sum(step_faults[1:]) // (len(step_faults) - 1):,}"
                     print(f"  {size} {name} T={T} {precision}: {tok_s[precision]:.0f} tok/s", flush=True)
                 flops = model_flops_per_token(model, T)
                 mfu = {p: tok_s[p] * flops / peaks[p] for p in tok_s}
@@ -173,7 +187,7 @@ def part_train(args, peaks):
                 lines.append(
                     f"| {size} | {name} | {count_parameters(model) / 1e6:.2f}M | {T} | {batch} | "
                     f"{cell('fp32', '.0f')} | {cell('bf16', '.0f')} | {ratio} | "
-                    f"{' / '.join(f'{mfu[p]:.1%}' for p in tok_s)} | {share} |")
+                    f"{' / '.join(f'{mfu[p]:.1%}' for p in tok_s)} | {share} | {faults} |")
                 del model, optimizer
                 gc.collect()
     ratios = ["", "| size | T | bilinear / llama | bilinear / mamba | bilinear / lstm | C++ / reference loop |",
@@ -189,6 +203,65 @@ def part_train(args, peaks):
                 cells.append(f"{base['fp32'] / ref['fp32']:.2f}x" if ref and "fp32" in ref and "fp32" in base else "-")
             ratios.append(f"| {size} | {T} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ratios + ["", "Ratios are fp32 tokens/s."])
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (each a 4 KiB page the kernel mapped and zeroed on first touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class OpMemory(TorchDispatchMode):
+    """Per op (name and first result's shape): calls, minor page faults inside it, and bytes of the results it
+    allocates (storages of 1 MiB and more that none of its inputs share)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.faults, self.bytes = Counter(), Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        start = minor_faults()
+        out = func(*args, **(kwargs or {}))
+        faults = minor_faults() - start
+        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        key = f"{func.overloadpacket.__name__} {list(results[0].shape) if results else ''}"
+        self.calls[key] += 1
+        self.faults[key] += faults
+        self.bytes[key] += sum(n for t in results if (n := t.untyped_storage().nbytes()) >= 2 ** 20
+                               and t.untyped_storage().data_ptr() not in inputs)
+        return out
+
+
+def part_alloc(args):
+    lines = ["| size | model | T | batch | op [first result's shape] | calls | minor faults | MiB allocated |",
+             "|---|---|---|---|---|---|---|---|"]
+    for size in args.sizes:
+        for T in args.seq_lens:
+            batch = max(1, args.tokens_per_step // T)
+            ids = torch.randint(0, VOCAB, (batch, T))
+            for name in args.models:
+                torch.manual_seed(0)
+                model = build(name, size).train()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+                def step():
+                    model(ids, labels=ids).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                step()
+                with OpMemory() as ops:
+                    step()
+                top = sorted(ops.calls, key=lambda k: (ops.faults[k] + ops.bytes[k] / 4096), reverse=True)
+                total = (f"| {size} | {name} | {T} | {batch} | **all {len(ops.calls)} ops** | "
+                         f"{sum(ops.calls.values())} | {sum(ops.faults.values()):,} | "
+                         f"{sum(ops.bytes.values()) / 2 ** 20:,.0f} |")
+                lines += [total, *(f"| | | | | {k} | {ops.calls[k]} | {ops.faults[k]:,} | "
+                                   f"{ops.bytes[k] / 2 ** 20:,.0f} |" for k in top[:args.alloc_ops])]
+                print("  " + total, flush=True)
+                del model, optimizer
+                gc.collect()
+    return "\n".join(lines)
 
 
 def cache_bytes(cache) -> int:
@@ -349,7 +422,7 @@ def part_probe(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda cast: (lambda s: [cast(x) for x in s.split(",")])  # noqa: E731
-    parser.add_argument("--parts", type=csv(str), default=list(PARTS))
+    parser.add_argument("--parts", type=csv(str), default=[p for p in PARTS if p != "alloc"])
     parser.add_argument("--sizes", type=csv(str), default=list(SIZES))
     parser.add_argument("--seq-lens", type=csv(int), default=[256, 1024, 4096])
     parser.add_argument("--models", type=csv(str), default=list(TRAIN_MODELS))
@@ -360,6 +433,10 @@ def main(argv=None):
     parser.add_argument("--contexts", type=csv(int), default=[128, 1024, 8192, 32768])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--alloc-ops", type=int, default=12, help="alloc: the ops listed per model (most faults first)")
+    parser.add_argument("--malloc", choices=("kept", "default"), default="kept",
+                        help="kept (default): bilinear_lm.utils.keep_freed_memory() first, as train.py; default: "
+                             "glibc's own settings, as in a library user's process")
     parser.add_argument("--compile-cache", action="store_true",
                         help="compiled: keep Inductor's on-disk caches (default: a fresh one, a cold first call)")
     parser.add_argument("--output", type=Path, help="also write the tables to this markdown file (replaced)")
@@ -371,7 +448,7 @@ def main(argv=None):
             if value not in choices and not (sized and re.fullmatch(r"(hybrid|memory)-[1-9]\d*", value)):
                 parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}{sized}")
 
-    kept = keep_freed_memory()  # as train.py
+    kept = args.malloc == "kept" and keep_freed_memory()  # as train.py
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "
                f"ATen capability {torch.backends.cpu.get_cpu_capability()}, malloc keeps freed memory: {kept}")
@@ -382,6 +459,8 @@ def main(argv=None):
         tables.append("### Matmul peak\n\n" + table)
     if "train" in args.parts:
         tables.append("### Training throughput\n\n" + part_train(args, peaks))
+    if "alloc" in args.parts:
+        tables.append("### Memory of a training step, per op\n\n" + part_alloc(args))
     if "generate" in args.parts:
         tables.append("### Generation\n\n" + part_generate(args))
     if "compiled" in args.parts:

@@ -19,11 +19,14 @@ def eval_mode(model):
 def keep_freed_memory() -> bool:
     """Make glibc's ``malloc`` keep freed memory for reuse: no ``mmap`` for large blocks, no trimming of the heap.
 
-    By default every block above 32 MiB (glibc's ceiling for its mmap threshold) is a fresh mapping, returned to the
-    system when freed, so each large activation of a training step is faulted in and zeroed by the kernel again:
-    13-19% of a CPU training step measured here (docs/results-history.md, "glibc's malloc kept off mmap"). The
-    price: the process keeps its peak heap (peak RSS 7-49% higher). Process-wide, so the command-line entry points
-    call it, not the library. Returns whether it applied (False where the C library is not glibc)."""
+    By default glibc returns the top of its heap to the system whenever 64 MiB or more of it is free, and maps every
+    block above 32 MiB afresh, so a training step's activations, freed in its backward pass, are faulted in and
+    zeroed by the kernel again in the next step's forward: 50-100k page faults a step for the 3M model at
+    T = 4096 (two threads, Xeon AVX512), which this call takes to 5-10k: 10% more tokens/s there, 4% at T = 1024
+    (docs/results-history.md, "Issue 36, item 2"). The price: the process keeps its peak heap. Process-wide, so the
+    library never calls it: train.py, the probe CLIs and ``benchmarks/speed.py`` do, first thing; call it at the
+    start of your own CPU training script for the same gain. Returns whether it applied (False where the C library
+    is not glibc)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):

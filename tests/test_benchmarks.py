@@ -26,10 +26,10 @@ equal_time, gpu, loss_by_position, speed = (load_script(n) for n in ("equal_time
 
 @pytest.fixture
 def untimed(monkeypatch):
-    """A tiny size, one call per timed function (each "takes" 1 s), no matmul peak measurement."""
+    """A tiny size, two calls per timed function (a warm-up and one that "takes" 1 s), no matmul peak measurement."""
     monkeypatch.setitem(speed.SIZES, "tiny", dict(hidden_size=16, num_hidden_layers=1, num_heads=2,
                                                    state_size=4, rank=4))
-    monkeypatch.setattr(speed, "timed", lambda fn, *args, **kwargs: (fn(), 1.0)[1])
+    monkeypatch.setattr(speed, "timed", lambda fn, *args, **kwargs: (fn(), fn(), 1.0)[2])
     monkeypatch.setattr(speed, "matmul_peak", lambda dtype: 1e9)
 
 
@@ -39,13 +39,29 @@ def test_train_part_with_any_precision_subset(untimed, precisions, capsys):
                 "--tokens-per-step", "16", "--precisions", precisions])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny | bilinear |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    # | size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU | recurrence share |
+    # | size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU | recurrence share | faults |
     measured = precisions.split(",")
     assert cells[3:5] == ["8", "2"]
     assert cells[5] == ("16" if "fp32" in measured else "-")  # 2 x 8 tokens in one 1 s step
     assert cells[6] == ("16" if "bf16" in measured else "-")
     assert cells[7] == ("1.00x" if len(measured) == 2 else "-")
     assert (cells[9] == "-") == ("fp32" not in measured)  # the recurrence share is an fp32 measurement
+    assert (cells[10] == "-") == ("fp32" not in measured)  # so are the page faults of a step
+    assert "fp32" not in measured or int(cells[10].replace(",", "")) >= 0
+
+
+def test_alloc_part_lists_the_ops_of_a_training_step(untimed, capsys):
+    """Per model and length: a total row (every op of a step, its calls, page faults and MiB allocated), then the
+    ops with the most faults and bytes, forward and backward (the MLP's matmuls, the gradients)."""
+    speed.main(["--parts", "alloc", "--sizes", "tiny", "--models", "bilinear,llama", "--seq-lens", "8",
+                "--tokens-per-step", "16", "--alloc-ops", "1000", "--malloc", "default"])
+    out = capsys.readouterr().out
+    assert "malloc keeps freed memory: False" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    totals = [r for r in rows if r[4].startswith("**all")]
+    assert [r[1] for r in totals] == ["bilinear", "llama"] and all(int(r[5]) > 100 for r in totals)
+    ops = [r[4] for r in rows[rows.index(totals[0]) + 1:rows.index(totals[1])]]
+    assert any(op.startswith("mm ") for op in ops) and any("backward" in op for op in ops)
 
 
 def test_generate_part_runs_a_hybrid_and_memory_heads(untimed, monkeypatch, capsys):

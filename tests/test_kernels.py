@@ -116,3 +116,90 @@ def test_decoding_projections_take_the_gemv_and_nothing_else_does(monkeypatch):
         handle.remove()
     dispatch.linear(layer, x)  # gradients on: training
     assert calls == [(3, 37)]
+
+
+def _fused_and_reference(monkeypatch, fn, *inputs):
+    """``fn(*inputs)`` and its gradients by the C++ kernels, then by the PyTorch formulas (no kernels loaded)."""
+    from bilinear_lm.modeling import dispatch
+
+    results = []
+    for kernels in (cpu.load, None):
+        monkeypatch.setattr(dispatch, "loaded_cpu_kernels", kernels)
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype))
+        results.append([out, *(x.grad for x in leaves)])
+    return results
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 1e-6)])
+def test_fused_blocks_equal_the_pytorch_formulas(monkeypatch, dtype, tol):
+    """SwiGLU, RMSNorm and the per-head state norm (forward and every gradient) by the C++ kernels against the
+    PyTorch formulas: odd widths, a strided input (the mixer's states are a permuted view), large gate values
+    (the vectorized exp's clamp); and a zero state normalizes to zeros, not NaN (the norm's floor)."""
+    import torch.nn.functional as F
+
+    from bilinear_lm.modeling import dispatch
+
+    if cpu.load() is None:
+        pytest.skip("no C++ compiler here")
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(3, 5, 2 * 37, generator=g, dtype=dtype) * 4
+    gate_up[0, 0, :3] = torch.tensor([-120.0, 95.0, 0.0])
+    x, weight = torch.randn(3, 5, 33, generator=g, dtype=dtype), torch.randn(33, generator=g, dtype=dtype)
+    h = torch.randn(5, 3, 4, 9, generator=g, dtype=dtype).permute(1, 0, 2, 3)
+    head_weight = torch.randn(4, 9, generator=g, dtype=dtype)
+    for name, fn, inputs in (("swiglu", lambda t: dispatch.swiglu(t, F.silu), (gate_up,)),
+                             ("rms_norm", lambda a, w: dispatch.rms_norm(a, w, 1e-5), (x, weight)),
+                             ("state_norm", dispatch.state_norm, (h, head_weight))):
+        fused, reference = _fused_and_reference(monkeypatch, fn, *inputs)
+        for i, (a, b) in enumerate(zip(fused, reference)):
+            assert ((a - b).abs().max() / b.abs().max()).item() < tol, (name, i)
+    h[0, 0, 1] = 0
+    assert torch.equal(dispatch.state_norm(h, head_weight)[0, 0, 1], torch.zeros(9, dtype=dtype))
+
+
+def test_fused_ops_pass_opcheck():
+    """The fused blocks' custom ops: schema, autograd registration, fake implementations equal to the real outputs."""
+    from bilinear_lm.modeling import dispatch
+
+    if cpu.load() is None:
+        pytest.skip("no C++ compiler here")
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(dispatch._swiglu, (gate_up,))
+    torch.library.opcheck(dispatch._swiglu_backward, (gate_up.detach(), torch.randn(4, 3, dtype=torch.float64)))
+    torch.library.opcheck(dispatch._rms_norm, (x, weight, 1e-5, 0.0))
+    rstd = dispatch._rms_norm(x.detach(), weight.detach(), 0.0, 1e-3)[1]
+    torch.library.opcheck(dispatch._rms_norm_backward, (torch.randn_like(x), x.detach(), weight.detach(), rstd, 1e-3))
+
+
+def test_fused_blocks_run_only_on_eager_cpu_fp32_fp64_silu(monkeypatch):
+    """The fused ops take CPU fp32/fp64 tensors of one dtype with SiLU, eagerly; bf16, mixed dtypes, another
+    activation or a compiled graph (Inductor fuses the PyTorch ops itself) run the PyTorch formulas."""
+    import torch.nn.functional as F
+
+    from bilinear_lm.modeling import dispatch
+
+    kernel = cpu.load()
+    if kernel is None:
+        pytest.skip("no C++ compiler here")
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(kernel, name)
+
+    monkeypatch.setattr(dispatch, "loaded_cpu_kernels", Spy)
+    x, weight = torch.randn(2, 8), torch.ones(8)
+    dispatch.swiglu(x, F.silu), dispatch.rms_norm(x, weight, 1e-5), dispatch.state_norm(x[:, None], weight[None])
+    assert calls == ["swiglu_forward", "rms_norm_forward", "rms_norm_forward"]
+    calls.clear()
+    dispatch.swiglu(x, F.gelu), dispatch.swiglu(x.bfloat16(), F.silu)
+    dispatch.rms_norm(x.bfloat16(), weight, 1e-5), dispatch.rms_norm(x.double(), weight, 1e-5)
+    torch.compile(lambda t: dispatch.swiglu(t, F.silu) + dispatch.rms_norm(t[:, :4], weight[:4], 1e-5),
+                  backend="eager", fullgraph=True)(x)
+    assert calls == []

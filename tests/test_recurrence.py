@@ -230,6 +230,28 @@ def test_compiled_kernel_and_torch_scan_agree_exactly_in_fp64():
     assert relative_error(outs[1], outs[0]) < 1e-13
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scan_ops_pass_opcheck_with_the_layouts_the_mixer_gives_them(impl):
+    """The two custom ops as the mixer calls them (the factors permuted, not copied; the gradient of ``G``
+    sequence-major, as the einsum returns it; padding and restarts): schema, autograd registration, and fake
+    implementations whose shapes and strides equal the real outputs' (``torch.compile`` plans with the fakes)."""
+    T, N, B, R, H = 9, 2, 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    u = (1 + 0.3 * torch.randn(B, T, N, R, generator=g, dtype=torch.float64)).permute(1, 2, 0, 3).requires_grad_()
+    W1 = torch.randn(N, H, R, generator=g, dtype=torch.float64)
+    Mt, p0, p_start = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+                       for shape in ((N, R, R), (N, B, R), (N, R)))
+    keep = torch.rand(T, B, generator=g) > 0.2
+    restart = (torch.rand(T, B, generator=g) > 0.7) & keep
+    args = (u, Mt, p0, keep, W1, 4, 1, restart, p_start, impl)
+    torch.library.opcheck(dispatch.cp_scan, args)
+    with torch.no_grad():
+        G, P, S = dispatch.cp_scan(*args)
+    dG = torch.randn(N, B, T, R, generator=g, dtype=torch.float64).permute(2, 0, 1, 3)
+    torch.library.opcheck(dispatch.cp_scan_backward, (dG, u.detach(), S, P, p0.detach(), p_start.detach(),
+                                                      Mt.detach().transpose(1, 2).contiguous(), keep, restart, impl))
+
+
 @pytest.mark.parametrize("impl", ["reference", *IMPLS])
 def test_reset_equals_running_the_documents_separately(impl):
     """Document boundaries: at a reset the step starts from ``h_start``. Each document run alone from ``h_start`` (the

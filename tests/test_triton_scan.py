@@ -34,9 +34,10 @@ SM90_SCRIPT = textwrap.dedent("""
     common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
     forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",
                                           "S_ptr"]},
-               **common, **{a: "i32" for a in "T N B R H chunk offset".split()}}
-    backward = {**{a: "*fp32" for a in ["dG_ptr", "su_ptr", "mtt_ptr", "DGT_ptr", "DP_ptr", "dp0_ptr", "dps_ptr"]},
-                **common, **{a: "i32" for a in "T N B R".split()}}
+               **common, **{a: "i32" for a in "T B R H chunk offset".split()}}
+    backward = {**{a: "*fp32" for a in ["dG_ptr", "u_ptr", "S_ptr", "P_ptr", "p0_ptr", "p_start_ptr", "mtt_ptr",
+                                          "du_ptr", "DP_ptr", "dp0_ptr", "dps_ptr"]},
+                **common, **{a: "i32" for a in "T B R".split()}}
     for RP in map(int, sys.argv[1:]):
         flags = {"HAS_KEEP": True, "HAS_RESTART": True, "BLOCK_B": ts.BLOCK_B, "RP": RP,
                  "PRECISION": ts.dot_precision(RP)}
@@ -76,7 +77,7 @@ def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, 
     """Forward and backward loops, every output of each."""
     g = torch.Generator().manual_seed(T + B)
     N = 2
-    u = (1 + 0.5 * torch.randn(T, N, B, R, generator=g, dtype=dtype)) * scale
+    u = ((1 + 0.5 * torch.randn(B, T, N, R, generator=g, dtype=dtype)) * scale).permute(1, 2, 0, 3)  # the mixer's
     W1 = torch.randn(N, H, R, generator=g, dtype=dtype) / R ** 0.5
     Mt = torch.einsum("nhr,nhs->nrs", W1, torch.randn(N, H, R, generator=g, dtype=dtype) / H ** 0.5).contiguous()
     p0 = torch.randn(N, B, R, generator=g, dtype=dtype)
@@ -89,14 +90,14 @@ def test_triton_scan_equals_the_pytorch_scan(T, B, R, H, chunk, offset, masked, 
     expected = scan.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
     got = scan_triton.scan_forward(u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
     for name, a, b in zip("GPS", got, expected):
-        assert relative_error(a, b) < tol, name
-    dG, su = torch.randn(T, N, B, R, generator=g, dtype=dtype), torch.rand(T, N, B, R, generator=g, dtype=dtype)
+        assert relative_error(a, b) < tol and a.stride() == b.stride(), name
+    _, P, S = expected
+    dG = torch.randn(N, B, T, R, generator=g, dtype=dtype).permute(2, 0, 1, 3)  # the einsum's gradient
     MtT = Mt.transpose(1, 2).contiguous()
-    filled = [[torch.empty_like(u), torch.empty_like(u)] for _ in range(2)]
-    expected = [*scan.scan_backward(dG, su, MtT, keep, restart, *filled[0]), *filled[0]]
-    got = [*scan_triton.scan_backward(dG, su, MtT, keep, restart, *filled[1]), *filled[1]]
-    for name, a, b in zip(["dp0", "dp_start", "DGT", "DP"], got, expected):
-        assert relative_error(a, b) < tol, name
+    expected = scan.scan_backward(dG, u, S, P, p0, p_start, MtT, keep, restart)
+    got = scan_triton.scan_backward(dG, u, S, P, p0, p_start, MtT, keep, restart)
+    for name, a, b in zip(["du", "DP", "dp0", "dp_start"], got, expected):
+        assert relative_error(a, b) < tol and a.stride() == b.stride(), name
 
 
 def test_triton_recurrence_equals_the_reference_loop_with_every_gradient():

@@ -13,14 +13,21 @@
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
 * :func:`linear` is how the modules apply their projections: an eager decoding step's few CPU rows take the C++
   GEMV (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working); a compiled one ``layer(x)``.
+* :func:`swiglu`, :func:`rms_norm` and :func:`state_norm` are the MLP's gated activation, the blocks' norm and the
+  mixer's per-head norm of its states: on CPU fp32/fp64 tensors where the C++ kernels are loaded, outside a compiled
+  graph, one pass each way with one output (``fused.cpp``; PyTorch runs each as 3-10 ops that each allocate a
+  result; first-order gradients only, as the scans); else the PyTorch formulas. They never build the kernels (the
+  scan or ``transitions.build_kernels`` does).
 
 The scans are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through them.
 """
 
+import math
 import re
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .configuration_bilinear import RECURRENCE_IMPLS as IMPLS
@@ -29,6 +36,7 @@ from .recurrence import SAFE_MAX, SAFE_MIN, CPTransition, is_boundary, reference
     reference_step
 from .scan import scan_backward as torch_scan_backward
 from .scan import scan_forward as torch_scan_forward
+from .scan import sequence_major
 
 try:  # the compiled CPU kernels ship with the package; remote code (save_pretrained) runs PyTorch without them
     from bilinear_lm.kernels.cpu import load as load_cpu_kernels
@@ -131,42 +139,143 @@ def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Ten
 @cp_scan.register_fake
 def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, impl):
     T, N, B, R = u.shape
-    return torch.empty_like(u), u.new_empty(T + 1, N, B, R), u.new_empty(T, N, B, 1)
+    return sequence_major(u, T, N, B, R), sequence_major(u, T, N, B, R), sequence_major(u, T, N, B, 1)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan_backward", mutates_args=())
-def cp_scan_backward(dG: torch.Tensor, su: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
+def cp_scan_backward(dG: torch.Tensor, u: torch.Tensor, S: torch.Tensor, P: torch.Tensor, p0: torch.Tensor,
+                     p_start: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
                      impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan's reverse loop: ``(DGT, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
-    DGT, DP = torch.empty_like(su), torch.empty_like(su)
-    dp0, dp_start = _scan_functions(impl)[1](dG, su, MtT, keep, restart, DGT, DP)
-    return DGT, DP, dp0, dp_start
+    """The scan's reverse loop: ``(du, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
+    return tuple(_scan_functions(impl)[1](dG, u, S, P, p0, p_start, MtT, keep, restart))
 
 
 @cp_scan_backward.register_fake
-def _(dG, su, MtT, keep, restart, impl):
-    return torch.empty_like(su), torch.empty_like(su), su.new_empty(su.shape[1:]), su.new_empty(su.shape[1:])
+def _(dG, u, S, P, p0, p_start, MtT, keep, restart, impl):
+    T, N, B, R = u.shape
+    return torch.empty_like(u), sequence_major(u, T, N, B, R), u.new_empty(N, B, R), u.new_empty(N, B, R)
 
 
 def _cp_scan_setup_context(ctx, inputs, output):
-    u, Mt, _, keep, _, _, _, restart, _, impl = inputs
+    u, Mt, p0, keep, _, _, _, restart, p_start, impl = inputs
     G, P, S = output
-    ctx.save_for_backward(u, Mt, keep, restart, G, P, S)
+    ctx.save_for_backward(u, Mt, p0, keep, restart, p_start, G, P, S)
     ctx.impl = impl
+    ctx.set_materialize_grads(False)  # P and S feed nothing differentiable: no zeros for their gradients
 
 
 def _cp_scan_backward_rule(ctx, dG, dP, dS):
-    """Gradients of ``u``, ``Mt``, ``p0`` and ``p_start`` (``P`` and ``S`` feed nothing differentiable)."""
-    u, Mt, keep, restart, G, P, S = ctx.saved_tensors
-    T = u.shape[0]
-    DGT, DP, dp0, dp_start = cp_scan_backward(dG.contiguous(), S * u, Mt.transpose(1, 2).contiguous(), keep, restart,
-                                              ctx.impl)
-    du = S * P[:T] * DGT  # P[t] is step t's input: p_start at a restart
-    dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)
+    """Gradients of ``u``, ``Mt``, ``p0`` and ``p_start``."""
+    u, Mt, p0, keep, restart, p_start, G, P, S = ctx.saved_tensors
+    du, DP, dp0, dp_start = cp_scan_backward(dG, u, S, P, p0, p_start, Mt.transpose(1, 2).contiguous(), keep, restart,
+                                             ctx.impl)
+    dMt = torch.einsum("tnbr,tnbs->nrs", G, DP)  # G and DP sequence-major: per-head matmuls, no copies
     return du, dMt, dp0, None, None, None, None, None, dp_start.sum(1) if restart.numel() else None, None
 
 
 cp_scan.register_autograd(_cp_scan_backward_rule, setup_context=_cp_scan_setup_context)
+
+
+def _fused_run_on(*tensors) -> bool:
+    """Whether the fused blocks' C++ kernels take ``tensors``: loaded, eager, one fp32/fp64 dtype, on CPU."""
+    if torch.compiler.is_compiling() or loaded_cpu_kernels is None or loaded_cpu_kernels() is None:
+        return False  # compiled: Inductor fuses the PyTorch ops itself
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.float64) and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::swiglu", mutates_args=())
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    return loaded_cpu_kernels().swiglu_forward(gate_up)
+
+
+@_swiglu.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::swiglu_backward", mutates_args=())
+def _swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    return loaded_cpu_kernels().swiglu_backward(gate_up, dh)
+
+
+@_swiglu_backward.register_fake
+def _(gate_up, dh):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+_swiglu.register_autograd(lambda ctx, dh: _swiglu_backward(ctx.saved_tensors[0], dh),
+                          setup_context=_swiglu_setup_context)
+
+
+def swiglu(gate_up: torch.Tensor, act) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up = [gate | up]`` on the last dimension (the MLP's fused projection); SiLU by the
+    C++ kernels where they run (see the module docstring): its gradient is one tensor, not two halves concatenated."""
+    if act is F.silu and _fused_run_on(gate_up):
+        return _swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight x r, r)`` with ``r = 1 / max(sqrt(mean(x^2) + eps), floor)`` over the last dimension; ``weight``
+    ``[G, D]`` (or ``[D]``) is repeated over the rows of ``x`` (``[..., G, D]``)."""
+    return tuple(loaded_cpu_kernels().rms_norm_forward(x, weight, eps, floor))
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps, floor):
+    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1])
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                       floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(loaded_cpu_kernels().rms_norm_backward(dy, x, weight, rstd, floor))
+
+
+@_rms_norm_backward.register_fake
+def _(dy, x, weight, rstd, floor):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, _, ctx.floor = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.set_materialize_grads(False)  # r feeds nothing differentiable
+
+
+def _rms_norm_backward_rule(ctx, dy, dr):
+    return *_rms_norm_backward(dy, *ctx.saved_tensors, ctx.floor), None, None
+
+
+_rms_norm.register_autograd(_rms_norm_backward_rule, setup_context=_rms_norm_setup_context)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, computed in at least fp32, in ``x``'s dtype; by
+    the C++ kernels where they run (see the module docstring)."""
+    if _fused_run_on(x, weight):
+        return _rms_norm(x, weight, eps, 0.0)[0]
+    dtype = x.dtype
+    x = x.to(torch.promote_types(dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x).to(dtype)
+
+
+def state_norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``h / ||h|| * sqrt(H) * weight`` for states ``h [..., N, H]`` and ``weight [N, H]``: each head's state at unit
+    norm (the norm clamped to the smallest normal number, no eps: exactly scale invariant), then a learned scale; by
+    the C++ kernels where they run (see the module docstring: an RMSNorm without eps, a contiguous result)."""
+    tiny = torch.finfo(h.dtype).tiny
+    if _fused_run_on(h, weight):
+        return _rms_norm(h.contiguous(), weight, 0.0, tiny / math.sqrt(h.shape[-1]))[0]
+    return h / h.norm(dim=-1, keepdim=True).clamp_min(tiny) * (math.sqrt(h.shape[-1]) * weight.to(h.dtype))
 
 
 def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto", reset=None,
@@ -193,7 +302,9 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
     if reset is not None:
         restart = (reset.bool() if mask is None else reset.bool() & mask.bool()).t().contiguous()
         p_start = torch.einsum("nhr,nh->nr", W2, h_start).contiguous()
-    G, _, _ = cp_scan(u.permute(1, 2, 0, 3).contiguous(), Mt.contiguous(), p0, keep, W1.detach().contiguous(), chunk,
+    # The factors permuted to the scan's [T, N, B, R], no copy (the scans read any strides with the rank contiguous);
+    # G comes back sequence-major, so the einsum's per-head matmuls read it in place.
+    G, _, _ = cp_scan(u.contiguous().permute(1, 2, 0, 3), Mt.contiguous(), p0, keep, W1.detach().contiguous(), chunk,
                       offset, restart, p_start, impl)
     states = torch.einsum("nhr,tnbr->btnh", W1, G)
     if mask is not None:

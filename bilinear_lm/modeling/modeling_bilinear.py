@@ -25,7 +25,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_bilinear import BilinearConfig
-from .dispatch import linear, memory_recurrence
+from .dispatch import linear, memory_recurrence, rms_norm, state_norm, swiglu
 from .transitions import TRANSITIONS, Transition
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -306,10 +306,7 @@ class BilinearRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class BilinearStateNorm(nn.Module):
@@ -320,8 +317,7 @@ class BilinearStateNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_heads, state_size))
 
     def forward(self, h):
-        norm = h.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(h.dtype).tiny)
-        return h / norm * (math.sqrt(h.shape[-1]) * self.weight.to(h.dtype))
+        return state_norm(h, self.weight)
 
 
 class BilinearShortConv(nn.Module):
@@ -485,8 +481,7 @@ class BilinearMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
-        return linear(self.down_proj, self.act(gate) * up)
+        return linear(self.down_proj, swiglu(linear(self.gate_up_proj, x), self.act))
 
 
 class BilinearRotaryEmbedding(LlamaRotaryEmbedding):

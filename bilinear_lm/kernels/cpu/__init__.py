@@ -3,7 +3,9 @@
 * ``scan_forward`` / ``scan_backward`` (``scan.cpp``): the CP rank-space scan, the signatures of
   ``bilinear_lm.modeling.scan`` plus the overflow guard's range; ``cp_step``: one decoding step of the CP state
   (``bilinear_lm.modeling.recurrence.reference_step``);
-* ``small_batch_linear`` (``linear.cpp``): a GEMV for the few rows of a decoding step.
+* ``small_batch_linear`` (``linear.cpp``): a GEMV for the few rows of a decoding step;
+* ``swiglu_forward`` / ``swiglu_backward`` and ``rms_norm_forward`` / ``rms_norm_backward`` (``fused.cpp``): the
+  MLP's SwiGLU and the blocks' RMSNorm, each one pass with one output (``bilinear_lm.modeling.dispatch``).
 
 :func:`load` builds them once per machine (a one-line message on stderr while it compiles, under a minute)
 and returns the module, or ``None`` where it cannot be built (no compiler) or ``BILINEAR_LM_NO_CPP=1`` disables it;

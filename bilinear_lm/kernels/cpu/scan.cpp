@@ -64,30 +64,39 @@ inline void vec_mat(const scalar_t* g, const scalar_t* M, int64_t R, int64_t C, 
   for (; c0 < C; ++c0) vec_mat_block<scalar_t, 1>(g, M, base, R, C, c0, out);
 }
 
-// Layout: u, G, P: [T(+1), N, B, R]; S: [T, N, B, 1]; Mt: [N, R, R] (p_new = g @ Mt); W1: [N, H, R];
-// keep, restart: [T, B] bool or empty; p_start: [N, R]. Each (head, row) runs its whole sequence in one thread,
-// chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed for that (head, row) normalizing every
-// step. A restart step reads p_start instead of the previous p (P holds each step's input).
+// The layout of G, P, S and DP: shape [T, N, B, R], memory [N, B, T, R] (scan.py's sequence_major): each (head, row)
+// sequence contiguous.
+static at::Tensor sequence_major(const at::Tensor& like, int64_t T, int64_t N, int64_t B, int64_t R) {
+  return at::empty({N, B, T, R}, like.options()).permute({2, 0, 1, 3});
+}
+
+// One (head, row)'s sequence: u (any strides, the rank contiguous) advances by u_step per step, G and P
+// (sequence-major) by R, S by 1; Mt: [R, R] (p_t = g_t @ Mt); W1T: [R, H]; keep, restart: [T, B] bool or null; p0, p_start: [R].
+// Runs chunk by chunk; a chunk whose peak |g| leaves the safe range is recomputed normalizing every step. A restart
+// step reads p_start instead of the previous step's p.
 template <typename scalar_t>
 struct RowScan {
   const scalar_t* u; const scalar_t* M; const scalar_t* W1T; const bool* keep; const bool* restart;
-  const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
-  int64_t N, B, R, H, n, b, chunk, offset;
+  const scalar_t* p0; const scalar_t* p_start; scalar_t* P; scalar_t* G; scalar_t* S;
+  int64_t u_step, B, R, H, b, chunk, offset;
   double safe_min, safe_max;
+
+  // Step t's input p.
+  const scalar_t* input(int64_t t) const {
+    if (restart && restart[t * B + b]) return p_start;
+    return t == 0 ? p0 : P + (t - 1) * R;
+  }
 
   // Steps [t0, t1); returns whether the peak |g| stayed in the safe range at every step.
   bool run(int64_t t0, int64_t t1, bool every_step) {
     bool in_range = true;
     std::vector<scalar_t> hv(H);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = (t * N + n) * B + b;
       const bool keep_t = keep ? keep[t * B + b] : true;
       const bool boundary = chunk > 0 && (offset + t + 1) % chunk == 0;
-      const scalar_t* __restrict__ ut = u + row * R;
-      scalar_t* __restrict__ pt = P + row * R;
-      if (restart && restart[t * B + b])
-        for (int64_t r = 0; r < R; ++r) pt[r] = p_start[r];
-      scalar_t* __restrict__ g = G + row * R;
+      const scalar_t* __restrict__ ut = u + t * u_step;
+      const scalar_t* __restrict__ pt = input(t);
+      scalar_t* __restrict__ g = G + t * R;
       for (int64_t r = 0; r < R; ++r) g[r] = ut[r] * pt[r];
       scalar_t s = 1;
       if ((every_step || boundary) && keep_t) {
@@ -95,9 +104,9 @@ struct RowScan {
         s = inverse_norm(sum_squares(hv.data(), H));
         for (int64_t r = 0; r < R; ++r) g[r] *= s;
       }
-      S[row] = s;
+      S[t] = s;
       in_range = in_range && in_safe_range(g, R, safe_min, safe_max);
-      scalar_t* __restrict__ pn = P + (row + N * B) * R;
+      scalar_t* __restrict__ pn = P + t * R;
       if (keep_t)
         vec_mat(g, M, R, R, pn);
       else
@@ -110,23 +119,26 @@ struct RowScan {
 std::vector<at::Tensor> scan_forward(at::Tensor u, at::Tensor Mt, at::Tensor W1, at::Tensor keep, at::Tensor p0,
                                      int64_t chunk, int64_t offset, at::Tensor restart, at::Tensor p_start,
                                      double safe_min, double safe_max) {
+  TORCH_CHECK(u.stride(3) == 1, "scan_forward: u's rank dimension must be contiguous");
   const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3), H = W1.size(1);
-  auto G = at::empty_like(u);
-  auto P = at::empty({T + 1, N, B, R}, u.options());
-  auto S = at::empty({T, N, B, 1}, u.options());
+  auto G = sequence_major(u, T, N, B, R);
+  auto P = sequence_major(u, T, N, B, R);
+  auto S = sequence_major(u, T, N, B, 1);
   auto W1T = W1.transpose(1, 2).contiguous();  // [N, R, H]: h = W1 g is a vec_mat
-  P[0].copy_(p0);
+  p0 = p0.contiguous();
+  p_start = p_start.contiguous();
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_forward", [&] {
     const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
     const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
     at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
       for (int64_t nb = begin; nb < end; ++nb) {
         const int64_t n = nb / B, b = nb % B;
-        RowScan<scalar_t> scan{u.data_ptr<scalar_t>(), Mt.data_ptr<scalar_t>() + n * R * R,
-                               W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
-                               rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr, P.data_ptr<scalar_t>(),
-                               G.data_ptr<scalar_t>(), S.data_ptr<scalar_t>(), N, B, R, H, n, b, chunk, offset,
-                               safe_min, safe_max};
+        RowScan<scalar_t> scan{u.data_ptr<scalar_t>() + n * u.stride(1) + b * u.stride(2),
+                               Mt.data_ptr<scalar_t>() + n * R * R, W1T.data_ptr<scalar_t>() + n * R * H, kp, rp,
+                               p0.data_ptr<scalar_t>() + nb * R, rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr,
+                               P.data_ptr<scalar_t>() + nb * T * R, G.data_ptr<scalar_t>() + nb * T * R,
+                               S.data_ptr<scalar_t>() + nb * T, u.stride(0), B, R, H, b, chunk, offset, safe_min,
+                               safe_max};
         for (int64_t t0 = 0; t0 < T;) {
           const int64_t t1 = chunk > 0 ? std::min(T, t0 + chunk - (offset + t0) % chunk) : T;
           if (!scan.run(t0, t1, false) && chunk > 0) scan.run(t0, t1, true);
@@ -138,61 +150,79 @@ std::vector<at::Tensor> scan_forward(at::Tensor u, at::Tensor Mt, at::Tensor W1,
   return {G, P, S};
 }
 
-// Backward of the whole scan. su = S * u; MtT = Mt^T contiguous. Writes DGT (total grad of g_t) and DP (grad of p_t
-// leaving step t, zero where padded), and the grads of p_0 and of p_start per row.
+// Backward of the whole scan, per (head, row) from the last step: DGT_t = dG_t + DP_t @ Mt^T (the total gradient of
+// g_t, never stored), du_t = S_t p_in_t DGT_t (p_in_t: step t's input; written in u's layout) and dp = S_t u_t DGT_t
+// into the previous step; DP (gradient of p_t leaving step t, zero where padded), the grads of p_0 and of p_start
+// per row. dG, u: any strides with the rank contiguous (dG is copied otherwise); S, P, p0 ([N, B, R]), p_start
+// ([N, R]): read in place when laid out as the forward uses them; MtT = Mt^T contiguous.
 template <typename scalar_t>
-void backward_kernel(const at::Tensor& dG, const at::Tensor& su, const at::Tensor& MtT, const at::Tensor& keep,
-                     const at::Tensor& restart, at::Tensor& DGT, at::Tensor& DP, at::Tensor& dp0,
+void backward_kernel(const at::Tensor& dG, const at::Tensor& u, const at::Tensor& S, const at::Tensor& P,
+                     const at::Tensor& p0, const at::Tensor& p_start, const at::Tensor& MtT, const at::Tensor& keep,
+                     const at::Tensor& restart, at::Tensor& du, at::Tensor& DP, at::Tensor& dp0,
                      at::Tensor& dp_start) {
-  const int64_t T = su.size(0), N = su.size(1), B = su.size(2), R = su.size(3);
-  const scalar_t* dgp = dG.data_ptr<scalar_t>();
-  const scalar_t* sup = su.data_ptr<scalar_t>();
-  const scalar_t* mp = MtT.data_ptr<scalar_t>();
+  const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3);
   const bool* kp = keep.numel() ? keep.data_ptr<bool>() : nullptr;
   const bool* rp = restart.numel() ? restart.data_ptr<bool>() : nullptr;
-  scalar_t* dsp = dp_start.data_ptr<scalar_t>();
-  scalar_t* dgtp = DGT.data_ptr<scalar_t>();
-  scalar_t* dpp = DP.data_ptr<scalar_t>();
-  scalar_t* outp = dp0.data_ptr<scalar_t>();
   at::parallel_for(0, N * B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> dp(R);
+    std::vector<scalar_t> dp(R), dgt(R);
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n = nb / B, b = nb % B;
-      const scalar_t* M = mp + n * R * R;
-      scalar_t* ds = dsp + (n * B + b) * R;
+      const scalar_t* M = MtT.data_ptr<scalar_t>() + n * R * R;
+      const scalar_t* dgo = dG.data_ptr<scalar_t>() + n * dG.stride(1) + b * dG.stride(2);
+      const scalar_t* ub = u.data_ptr<scalar_t>() + n * u.stride(1) + b * u.stride(2);
+      scalar_t* dub = du.data_ptr<scalar_t>() + n * du.stride(1) + b * du.stride(2);
+      const scalar_t* sb = S.data_ptr<scalar_t>() + nb * T;
+      const scalar_t* pb = P.data_ptr<scalar_t>() + nb * T * R;
+      const scalar_t* p0b = p0.data_ptr<scalar_t>() + nb * R;
+      const scalar_t* psb = rp ? p_start.data_ptr<scalar_t>() + n * R : nullptr;
+      scalar_t* dpb = DP.data_ptr<scalar_t>() + nb * T * R;
+      scalar_t* ds = dp_start.data_ptr<scalar_t>() + nb * R;
       std::fill(dp.begin(), dp.end(), scalar_t(0));
       std::fill(ds, ds + R, scalar_t(0));
       for (int64_t t = T - 1; t >= 0; --t) {
-        const int64_t row = (t * N + n) * B + b;
         const bool keep_t = kp ? kp[t * B + b] : true;
-        scalar_t* __restrict__ dpt = dpp + row * R;
-        scalar_t* __restrict__ dgt = dgtp + row * R;
-        const scalar_t* __restrict__ dgo = dgp + row * R;
-        const scalar_t* __restrict__ sut = sup + row * R;
+        const bool restart_t = rp && rp[t * B + b];
+        scalar_t* __restrict__ dpt = dpb + t * R;
+        const scalar_t* __restrict__ dgot = dgo + t * dG.stride(0);
+        const scalar_t* __restrict__ ut = ub + t * u.stride(0);
+        const scalar_t* __restrict__ pt = restart_t ? psb : t == 0 ? p0b : pb + (t - 1) * R;  // step t's input
+        scalar_t* __restrict__ dut = dub + t * du.stride(0);
+        const scalar_t s = sb[t];
         for (int64_t r = 0; r < R; ++r) dpt[r] = keep_t ? dp[r] : scalar_t(0);
         if (keep_t)
-          vec_mat(dpt, M, R, R, dgt, dgo);  // dgt = dgo + dp @ Mt^T
+          vec_mat(dpt, M, R, R, dgt.data(), dgot);  // dgt = dgo + dp @ Mt^T
         else
-          for (int64_t r = 0; r < R; ++r) dgt[r] = dgo[r];
-        for (int64_t r = 0; r < R; ++r) dp[r] = sut[r] * dgt[r] + (keep_t ? scalar_t(0) : dp[r]);
-        if (rp && rp[t * B + b]) {  // this step's input was p_start, not the previous step's output
+          for (int64_t r = 0; r < R; ++r) dgt[r] = dgot[r];
+        for (int64_t r = 0; r < R; ++r) {
+          dut[r] = s * pt[r] * dgt[r];
+          dp[r] = s * ut[r] * dgt[r] + (keep_t ? scalar_t(0) : dp[r]);
+        }
+        if (restart_t) {  // this step's input was p_start, not the previous step's output
           for (int64_t r = 0; r < R; ++r) { ds[r] += dp[r]; dp[r] = 0; }
         }
       }
-      scalar_t* out = outp + (n * B + b) * R;
-      for (int64_t r = 0; r < R; ++r) out[r] = dp[r];
+      std::copy(dp.begin(), dp.end(), dp0.data_ptr<scalar_t>() + nb * R);
     }
   });
 }
 
-std::vector<at::Tensor> scan_backward(at::Tensor dG, at::Tensor su, at::Tensor MtT, at::Tensor keep,
-                                      at::Tensor restart, at::Tensor DGT, at::Tensor DP) {
-  auto dp0 = at::empty({su.size(1), su.size(2), su.size(3)}, su.options());
+std::vector<at::Tensor> scan_backward(at::Tensor dG, at::Tensor u, at::Tensor S, at::Tensor P, at::Tensor p0,
+                                      at::Tensor p_start, at::Tensor MtT, at::Tensor keep, at::Tensor restart) {
+  TORCH_CHECK(u.stride(3) == 1, "scan_backward: u's rank dimension must be contiguous");
+  if (dG.stride(3) != 1) dG = dG.contiguous();
+  const int64_t T = u.size(0), N = u.size(1), B = u.size(2), R = u.size(3);
+  S = S.permute({1, 2, 0, 3}).contiguous();  // [N, B, T, 1]: no copy of the forward's sequence-major S and P
+  P = P.permute({1, 2, 0, 3}).contiguous();
+  p0 = p0.contiguous();
+  p_start = p_start.contiguous();
+  auto du = at::empty_like(u);
+  auto DP = sequence_major(u, T, N, B, R);
+  auto dp0 = at::empty({N, B, R}, u.options());
   auto dp_start = at::empty_like(dp0);
-  AT_DISPATCH_FLOATING_TYPES(su.scalar_type(), "cp_scan_backward", [&] {
-    backward_kernel<scalar_t>(dG, su, MtT, keep, restart, DGT, DP, dp0, dp_start);
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "cp_scan_backward", [&] {
+    backward_kernel<scalar_t>(dG, u, S, P, p0, p_start, MtT, keep, restart, du, DP, dp0, dp_start);
   });
-  return {dp0, dp_start};
+  return {du, DP, dp0, dp_start};
 }
 
 // One decoding step of the state (recurrence.reference_step for the CP map, no gradients): per (row, head)
