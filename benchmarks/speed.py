@@ -145,6 +145,14 @@ def recurrence_seconds(model, batch: int, seq_len: int) -> float:
     return c.num_hidden_layers * timed(run, 1.0, 5)
 
 
+def training_setup(name: str, size: str):
+    """A fresh model of ``build(name, size)`` (seed 0) in training mode and its AdamW: what the train and alloc parts
+    step."""
+    torch.manual_seed(0)
+    model = build(name, size).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def part_train(args, peaks):
     lines = ["| size | model | params | T | batch | fp32 tok/s | bf16 tok/s | bf16/fp32 | MFU (vs own peak) | "
              "recurrence share (fp32) | minor faults / step (fp32) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -154,9 +162,7 @@ def part_train(args, peaks):
             batch = max(1, args.tokens_per_step // T)
             ids = torch.randint(0, VOCAB, (batch, T))
             for name in args.models:
-                torch.manual_seed(0)
-                model = build(name, size).train()
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                model, optimizer = training_setup(name, size)
                 tok_s, faults = {}, "-"
                 for precision in args.precisions:
                     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -240,9 +246,7 @@ def part_alloc(args):
             batch = max(1, args.tokens_per_step // T)
             ids = torch.randint(0, VOCAB, (batch, T))
             for name in args.models:
-                torch.manual_seed(0)
-                model = build(name, size).train()
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                model, optimizer = training_setup(name, size)
 
                 def step():
                     model(ids, labels=ids).loss.backward()
