@@ -21,9 +21,12 @@ Parts (each prints a markdown table; ``--output FILE`` also writes them to FILE)
   bilinear (recurrent state; and the ``hybrid-K`` / ``memory-K`` of ``--models``) against Llama (KV cache).
 - ``compiled``: decoding ms/token eager (``BilinearCache``) against the compiled step of
   ``generate(..., cache_implementation="static")`` (``BilinearStaticCache``), alternating in rounds, for every size
-  and context, bilinear and the ``hybrid-K`` / ``memory-K`` of ``--models``; the first compiled call's seconds
+  and context, bilinear, the ``hybrid-K`` / ``memory-K`` of ``--models`` and, with ``llama`` in ``--models``, Llama
+  (``DynamicCache`` against transformers' compiled ``StaticCache`` step); the first compiled call's seconds
   (compilation, from a fresh Inductor cache unless ``--compile-cache``), prefill tokens/s, the weights' bytes per
-  token over the time.
+  token over the time. ``--baseline-tree DIR`` adds the eager decoding of another checkout's bilinear model
+  (e.g. a worktree of 0165d8c, the fused C++ block before the redesign), run by that tree's ``speed.py`` in a
+  subprocess between the rows of each size.
 - ``probe``: training steps/s of the paper's probe setup (state 256, full with one matrix per symbol and CP
   rank 256, batch 64, lengths 2-10).
 
@@ -36,9 +39,12 @@ import argparse
 import contextlib
 import gc
 import itertools
+import json
 import os
 import re
 import resource
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -344,6 +350,8 @@ def part_compiled(args):
     """Decoding eager (``BilinearCache``, module code + C++ kernels) against the compiled step that
     ``generate(..., cache_implementation="static")`` runs (``BilinearStaticCache``, one Inductor program per token),
     side by side: rounds alternate the two on the same prompt, so drift hits both alike."""
+    from transformers import StaticCache
+
     from bilinear_lm.modeling import BilinearStaticCache
 
     if not args.compile_cache:  # each row's first compiled call compiles from scratch, as on a fresh machine
@@ -357,24 +365,35 @@ def part_compiled(args):
              "| first compiled call s | first step: max abs logit difference |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     rounds = 4
+    names = ("bilinear", *(m for m in args.models if m.startswith(SIZED_MODELS)), *(["llama"] * ("llama" in args.models)))
+    compiled_ms = {}
     for size in args.sizes:
-        for name in ("bilinear", *(m for m in args.models if m.startswith(SIZED_MODELS))):
+        if args.baseline_tree:
+            for context, ms in baseline_decoding(args.baseline_tree, size, args.contexts, rounds * args.new_tokens,
+                                                 args.prefill_chunk).items():
+                compiled_ms[(size, "baseline", context)] = ms
+                lines.append(f"| {size} | bilinear, {args.baseline_tree.name} (eager) | {context} | - | {ms:.2f} | - | "
+                             "- | - | - | - |")
+                print("  " + lines[-1], flush=True)
+        for name in names:
             torch.manual_seed(0)
-            model = build(name, size).eval()
+            model = build(name, size, max_positions=max(args.contexts) + rounds * args.new_tokens + 64).eval()
+            static_cache = StaticCache if name == "llama" else BilinearStaticCache
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             prefill(model, torch.randint(0, VOCAB, (1, 64)), args.prefill_chunk)  # first calls' setup, untimed
             for context in args.contexts:
                 ids = torch.randint(0, VOCAB, (1, context))
                 cache, token, seconds = prefill(model, ids, args.prefill_chunk)
                 max_cache_len = context + rounds * args.new_tokens + 1
-                static, _, _ = prefill(model, ids, args.prefill_chunk, BilinearStaticCache(model.config, max_cache_len))
+                static, _, _ = prefill(model, ids, args.prefill_chunk, static_cache(model.config, max_cache_len))
                 torch._dynamo.reset()
                 compiled = model.get_compiled_call(model._default_compile_config())
                 position = itertools.count(context)
 
-                def inputs():  # what generate() passes: a mask and the position (a hybrid's rotary embedding)
-                    return {"attention_mask": torch.ones(1, 1, dtype=torch.long),
-                            "position_ids": torch.tensor([[next(position)]])}
+                def inputs():  # the position (rotary embeddings) and, for our model, its own position's mask (Llama's
+                    # would span the whole cache: with one unpadded sequence it takes none)
+                    mask = {} if name == "llama" else {"attention_mask": torch.ones(1, 1, dtype=torch.long)}
+                    return {**mask, "position_ids": torch.tensor([[next(position)]])}
 
                 with torch.no_grad():
                     eager_logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
@@ -389,14 +408,36 @@ def part_compiled(args):
                     eager_times, eager_token = eager_times + times, new[:, -1:]
                     times, new = step_times(compiled, static, compiled_token, args.new_tokens, inputs)
                     compiled_times, compiled_token = compiled_times + times, new[:, -1:]
-                eager_ms, compiled_ms = median(eager_times) * 1e3, median(compiled_times) * 1e3
-                lines.append(f"| {size} | {name} | {context} | {context / seconds:.0f} | {eager_ms:.2f} | "
-                             f"{compiled_ms:.2f} | {eager_ms / compiled_ms:.2f}x | {weights / compiled_ms / 1e6:.1f} | "
+                eager, fast = median(eager_times) * 1e3, median(compiled_times) * 1e3
+                compiled_ms[(size, name, context)] = fast
+                lines.append(f"| {size} | {name} | {context} | {context / seconds:.0f} | {eager:.2f} | "
+                             f"{fast:.2f} | {eager / fast:.2f}x | {weights / fast / 1e6:.1f} | "
                              f"{first:.1f} | {difference:.1e} |")
                 print("  " + lines[-1], flush=True)
             del model
             gc.collect()
+    baseline = args.baseline_tree.name if args.baseline_tree else None
+    for other, label in (("llama", "Llama's compiled ms/token"), ("baseline", f"{baseline}'s eager ms/token")):
+        ratios = [f"{size} at {c}: {compiled_ms[(size, other, c)] / compiled_ms[(size, 'bilinear', c)]:.2f}x"
+                  for size in args.sizes for c in args.contexts if (size, other, c) in compiled_ms]
+        if ratios:
+            lines += ["", f"{label} over the compiled bilinear model's: " + ", ".join(ratios)]
     return "\n".join(lines)
+
+
+def baseline_decoding(tree: Path, size: str, contexts, new_tokens: int, prefill_chunk: int) -> dict:
+    """Median eager decoding ms/token of the bilinear model of ``size`` at each context, measured by another
+    checkout's ``benchmarks/speed.py`` (its ``build`` and ``decode_latency``) in a subprocess, with its own kernel
+    build folder."""
+    script = (f"import json, sys, torch; sys.path[:0] = [{str(tree)!r}, {str(tree / 'benchmarks')!r}]; import speed\n"
+              f"torch.manual_seed(0); model = speed.build('bilinear', {size!r}).eval()\n"
+              f"print(json.dumps({{c: speed.decode_latency(model, c, {new_tokens}, {prefill_chunk})[0] * 1e3 "
+              f"for c in {list(contexts)!r}}}))")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tree / ".torch_extensions"), "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tree, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"--baseline-tree {tree}: its decoding failed:\n{out.stderr[-2000:]}")
+    return {int(c): ms for c, ms in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 def part_probe(args):
@@ -443,6 +484,8 @@ def main(argv=None):
                              "glibc's own settings, as in a library user's process")
     parser.add_argument("--compile-cache", action="store_true",
                         help="compiled: keep Inductor's on-disk caches (default: a fresh one, a cold first call)")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="compiled: also decode with this checkout's bilinear model (its own speed.py), e.g. 0165d8c")
     parser.add_argument("--output", type=Path, help="also write the tables to this markdown file (replaced)")
     args = parser.parse_args(argv)
     for flag, values, choices in (("--parts", args.parts, PARTS), ("--sizes", args.sizes, SIZES),
@@ -452,6 +495,9 @@ def main(argv=None):
             if value not in choices and not (sized and re.fullmatch(r"(hybrid|memory)-[1-9]\d*", value)):
                 parser.error(f"{flag}: unknown value {value!r}; choose from {list(choices)}{sized}")
 
+    if args.baseline_tree and not (args.baseline_tree / "benchmarks" / "speed.py").is_file():
+        parser.error(f"--baseline-tree: {args.baseline_tree} has no benchmarks/speed.py; pass a checkout of this "
+                     "repository (git worktree add --detach DIR COMMIT)")
     kept = args.malloc == "kept" and keep_freed_memory()  # as train.py
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "

@@ -159,8 +159,9 @@ def test_fused_blocks_equal_the_pytorch_formulas(monkeypatch, dtype, tol):
     assert torch.equal(dispatch.state_norm(h, head_weight)[0, 0, 1], torch.zeros(9, dtype=dtype))
 
 
-def test_fused_ops_pass_opcheck():
-    """The fused blocks' custom ops: schema, autograd registration, fake implementations equal to the real outputs."""
+def test_fused_ops_and_the_gemv_pass_opcheck():
+    """The fused blocks' custom ops and the GEMV's: schema, autograd registration, fake implementations equal to the
+    real outputs."""
     from bilinear_lm.modeling import dispatch
 
     if cpu.load() is None:
@@ -174,6 +175,9 @@ def test_fused_ops_pass_opcheck():
     torch.library.opcheck(dispatch._rms_norm, (x, weight, 1e-5, 0.0))
     rstd = dispatch._rms_norm(x.detach(), weight.detach(), 0.0, 1e-3)[1]
     torch.library.opcheck(dispatch._rms_norm_backward, (torch.randn_like(x), x.detach(), weight.detach(), rstd, 1e-3))
+    rows, w = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(7, 5, generator=g, dtype=torch.float64)
+    torch.library.opcheck(dispatch._small_batch_linear, (rows, w))
+    torch.testing.assert_close(dispatch._small_batch_linear(rows, w), rows @ w.T, rtol=1e-13, atol=1e-13)
 
 
 def test_fused_blocks_run_only_on_eager_cpu_fp32_fp64_silu(monkeypatch):

@@ -12,7 +12,8 @@
   the loop's step for one position or ``impl="reference"``.
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
 * :func:`linear` is how the modules apply their projections: an eager decoding step's few CPU rows take the C++
-  GEMV (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working); a compiled one ``layer(x)``.
+  GEMV (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working); a compiled one ``layer(x)``,
+  or the GEMV as a custom op where MKL's is slow (``GEMV_IN_COMPILED_STEPS``).
 * :func:`swiglu`, :func:`rms_norm` and :func:`state_norm` are the MLP's gated activation, the blocks' norm and the
   mixer's per-head norm of its states: on CPU fp32/fp64 tensors where the C++ kernels are loaded, outside a compiled
   graph, one pass each way with one output (``fused.cpp``; PyTorch runs each as 3-10 ops that each allocate a
@@ -51,25 +52,60 @@ def cpu_kernels_available() -> bool:
     return load_cpu_kernels is not None and load_cpu_kernels() is not None
 
 
+# One library per copy of this module: the package and a remote-code copy of it may be imported side by side.
+_NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
 SMALL_BATCH_ROWS = 4  # decoding: up to this many rows take the GEMV
 
 
+def _mkl_gemv_is_slow() -> bool:
+    """Whether ``F.linear``'s few-row products run MKL's GEMV on a CPU it serves slowly: MKL (torch's x86 CPU BLAS)
+    picks slow code paths on non-Intel CPUs (AMD EPYC: 14.8 GB/s of a 70 GB/s copy; docs/results.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return False
+    return torch.backends.mkl.is_available() and vendor not in ("", "GenuineIntel")
+
+
+# A compiled decoding step calls the C++ GEMV (as a custom op) where MKL's is slow; elsewhere Inductor plans the
+# projections with the rest of the step (faster on Intel CPUs: docs/results-history.md, issue 36).
+GEMV_IN_COMPILED_STEPS = _mkl_gemv_is_slow()
+
+
+@torch.compiler.assume_constant_result
+def _gemv_loaded() -> bool:
+    return loaded_cpu_kernels is not None and loaded_cpu_kernels() is not None
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::small_batch_linear", mutates_args=())
+def _small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return loaded_cpu_kernels().small_batch_linear(x.contiguous(), weight.contiguous())
+
+
+@_small_batch_linear.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, except that a plain ``nn.Linear`` (no hooks) on at most ``SMALL_BATCH_ROWS`` fp32/fp64 CPU rows
-    without gradients or autocast, a decoding step's projection, runs the C++ GEMV when the kernels are built
-    (2-3x ``F.linear`` on the CPUs measured; docs/results.md). Anything else, adapters such as LoRA included, is
-    ``layer(x)``, and so is everything inside a compiled graph (a pybind call would break it; Inductor plans the
-    projections with the rest of the step); this never builds the kernels."""
-    if x.numel() > SMALL_BATCH_ROWS * x.shape[-1] or torch.is_grad_enabled() or type(layer) is not nn.Linear \
-            or torch.compiler.is_compiling():  # a compiled step: Inductor plans the projections with the rest
+    """``layer(x)``, except that a plain ``nn.Linear`` (no hooks, no bias) on at most ``SMALL_BATCH_ROWS`` fp32/fp64
+    CPU rows without gradients or autocast, a decoding step's projection, runs the C++ GEMV when the kernels are loaded
+    (2-3x ``F.linear`` on the CPUs measured; docs/results.md): eagerly, and in a compiled step where
+    ``GEMV_IN_COMPILED_STEPS`` (as a custom op). Anything else, adapters such as LoRA included, is ``layer(x)``;
+    this never builds the kernels."""
+    if x.numel() > SMALL_BATCH_ROWS * x.shape[-1] or torch.is_grad_enabled() or type(layer) is not nn.Linear:
         return layer(x)  # the common cases first: this runs for every projection
-    kernel = loaded_cpu_kernels() if loaded_cpu_kernels is not None else None
+    compiling = torch.compiler.is_compiling()
     weight = layer.weight
-    if (kernel is None or x.device.type != "cpu" or x.dtype != weight.dtype
+    if ((compiling and not GEMV_IN_COMPILED_STEPS) or x.device.type != "cpu" or x.dtype != weight.dtype
             or x.dtype not in (torch.float32, torch.float64) or layer.bias is not None
-            or layer._forward_hooks or layer._forward_pre_hooks or torch.is_autocast_enabled("cpu")):
+            or layer._forward_hooks or layer._forward_pre_hooks or torch.is_autocast_enabled("cpu")
+            or not _gemv_loaded()):
         return layer(x)
-    y = kernel.small_batch_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
+    rows = x.reshape(-1, x.shape[-1])
+    y = _small_batch_linear(rows, weight) if compiling else loaded_cpu_kernels().small_batch_linear(
+        rows.contiguous(), weight.contiguous())
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -123,9 +159,6 @@ def _scan_functions(impl: str):
         return scan_forward, scan_backward
     return torch_scan_forward, torch_scan_backward
 
-
-# One library per copy of this module: the package and a remote-code copy of it may be imported side by side.
-_NAMESPACE = re.sub(r"\W", "_", __name__.rpartition(".")[0])
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan", mutates_args=())
