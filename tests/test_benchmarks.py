@@ -264,3 +264,30 @@ def test_loss_by_book_position_streams_a_recurrent_model_and_windows_attention(t
 def test_book_bins_end_at_the_last_position_scored():
     assert loss_by_position.clip_edges([1, 512, 2048, 8192, 32768, 131072], 32768) == [1, 512, 2048, 8192, 32769]
     assert loss_by_position.clip_edges([1, 512, 2048], 4096) == [1, 512, 2048, 4097]
+
+
+def test_compiled_part_adds_llama_and_another_checkouts_decoding(untimed, monkeypatch, tmp_path, capsys):
+    """``--models llama`` adds Llama's rows (eager against its static cache's step); ``--baseline-tree DIR`` adds DIR's
+    own decoding at every context, measured by DIR's benchmarks/speed.py in a subprocess; each gets its ratio line.
+    Compilation is replaced by the eager call (this test checks the table, not Inductor)."""
+    from transformers import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "get_compiled_call", lambda self, config: self.__call__)
+    tree = tmp_path / "old"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "speed.py").write_text(  # an older speed.py's two functions: 1 ms per 100 of context
+        "def build(name, size):\n    return type('Model', (), {'eval': lambda self: self})()\n\n\n"
+        "def decode_latency(model, context, new_tokens, prefill_chunk):\n    return context / 1e5, 0\n")
+    speed.main(["--parts", "compiled", "--sizes", "tiny", "--models", "llama", "--contexts", "800,1600",
+                "--new-tokens", "2", "--compile-cache", "--baseline-tree", str(tree)])
+    out = capsys.readouterr().out
+    rows = {(r[2].strip(), int(r[3])): [c.strip() for c in r[4:-1]] for r in
+            (line.split("|") for line in out.splitlines() if line.startswith("| tiny |"))}
+    assert set(rows) == {(m, c) for m in ("bilinear, old (eager)", "bilinear", "llama") for c in (800, 1600)}
+    assert rows[("bilinear, old (eager)", 800)][1] == "8.00" and rows[("bilinear, old (eager)", 1600)][1] == "16.00"
+    assert float(rows[("llama", 800)][-1]) < 1e-4  # eager and "compiled" logits: the same call
+    assert "Llama's compiled ms/token over the compiled bilinear model's: tiny at 800: " in out
+    assert "old's eager ms/token over the compiled bilinear model's: tiny at 800: " in out
+    with pytest.raises(SystemExit):
+        speed.main(["--parts", "compiled", "--baseline-tree", str(tmp_path)])
+    assert "has no benchmarks/speed.py; pass a checkout of this repository" in capsys.readouterr().err
