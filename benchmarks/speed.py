@@ -429,12 +429,15 @@ def baseline_decoding(tree: Path, size: str, contexts, new_tokens: int, prefill_
     """Median eager decoding ms/token of the bilinear model of ``size`` at each context, measured by another
     checkout's ``benchmarks/speed.py`` (its ``build`` and ``decode_latency``) in a subprocess, with its own kernel
     build folder."""
-    script = (f"import json, sys, torch; sys.path[:0] = [{str(tree)!r}, {str(tree / 'benchmarks')!r}]; import speed\n"
+    tree = tree.resolve()  # the subprocess runs elsewhere
+    script = ("import json, torch, speed\n"
               f"torch.manual_seed(0); model = speed.build('bilinear', {size!r}).eval()\n"
               f"print(json.dumps({{c: speed.decode_latency(model, c, {new_tokens}, {prefill_chunk})[0] * 1e3 "
               f"for c in {list(contexts)!r}}}))")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tree / ".torch_extensions"), "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tree, env=env, capture_output=True, text=True)
+    # run from DIR/benchmarks (its speed.py) with DIR first on the import path (its bilinear_lm)
+    out = subprocess.run([sys.executable, "-c", script], cwd=tree / "benchmarks", env=env, capture_output=True,
+                         text=True)
     if out.returncode:
         raise SystemExit(f"--baseline-tree {tree}: its decoding failed:\n{out.stderr[-2000:]}")
     return {int(c): ms for c, ms in json.loads(out.stdout.strip().splitlines()[-1]).items()}
