@@ -224,35 +224,3 @@ def test_a_tensor_count_steps_as_the_python_count_and_compiles_once():
                 got = compiled(torch.tensor(offset))
                 scale = want.abs().amax(-1, keepdim=True)  # row 3 is 1e14 times larger
                 torch.testing.assert_close(got / scale, want / scale, rtol=1e-13, atol=1e-13)
-
-
-@pytest.mark.parametrize("gemv", [False, True])
-def test_a_compiled_steps_projection_calls_the_gemv_op_exactly_where_chosen(gemv, monkeypatch):
-    """``dispatch.linear`` in a compiled graph: the C++ GEMV as a custom op where ``GEMV_IN_COMPILED_STEPS`` (MKL's
-    GEMV slow: non-Intel CPUs), else Inductor's own product; equal to ``F.linear`` either way (fp64), and the op runs
-    only for a decoding step's few rows without gradients."""
-    from bilinear_lm.kernels import cpu
-    from bilinear_lm.modeling import dispatch
-
-    kernel = cpu.load()
-    if kernel is None:
-        pytest.skip("no C++ compiler here")
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(kernel, name)
-
-    monkeypatch.setattr(dispatch, "GEMV_IN_COMPILED_STEPS", gemv)
-    monkeypatch.setattr(dispatch, "loaded_cpu_kernels", Spy)
-    layer = torch.nn.Linear(37, 11, bias=False).double()
-    x = torch.randn(2, 1, 37, dtype=torch.float64)
-    torch._dynamo.reset()  # the flag and the spy are read while tracing
-    compiled = torch.compile(lambda t: dispatch.linear(layer, t), fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        got = compiled(x)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight), rtol=1e-13, atol=1e-13)
-    assert ("small_batch_linear" in calls) == gemv
-    calls.clear()
-    assert compiled(x).requires_grad and not calls  # gradients: Inductor's product (a recompile)

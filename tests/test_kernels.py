@@ -180,11 +180,10 @@ def test_fused_ops_and_the_gemv_pass_opcheck():
     torch.testing.assert_close(dispatch._small_batch_linear(rows, w), rows @ w.T, rtol=1e-13, atol=1e-13)
 
 
-def test_fused_blocks_run_only_on_eager_cpu_fp32_fp64_silu(monkeypatch):
-    """The fused ops take CPU fp32/fp64 tensors of one dtype with SiLU, eagerly; bf16, mixed dtypes, another
-    activation or a compiled graph (Inductor fuses the PyTorch ops itself) run the PyTorch formulas."""
-    import torch.nn.functional as F
-
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The names of the C++ kernels' functions that ``bilinear_lm.modeling.dispatch`` calls, recorded (the kernels
+    loaded, skipped without a compiler)."""
     from bilinear_lm.modeling import dispatch
 
     kernel = cpu.load()
@@ -198,6 +197,17 @@ def test_fused_blocks_run_only_on_eager_cpu_fp32_fp64_silu(monkeypatch):
             return getattr(kernel, name)
 
     monkeypatch.setattr(dispatch, "loaded_cpu_kernels", Spy)
+    return calls
+
+
+def test_fused_blocks_run_only_on_eager_cpu_fp32_fp64_silu(kernel_calls):
+    """The fused ops take CPU fp32/fp64 tensors of one dtype with SiLU, eagerly; bf16, mixed dtypes, another
+    activation or a compiled graph (Inductor fuses the PyTorch ops itself) run the PyTorch formulas."""
+    import torch.nn.functional as F
+
+    from bilinear_lm.modeling import dispatch
+
+    calls = kernel_calls
     x, weight = torch.randn(2, 8), torch.ones(8)
     dispatch.swiglu(x, F.silu), dispatch.rms_norm(x, weight, 1e-5), dispatch.state_norm(x[:, None], weight[None])
     assert calls == ["swiglu_forward", "rms_norm_forward", "rms_norm_forward"]
@@ -207,3 +217,24 @@ def test_fused_blocks_run_only_on_eager_cpu_fp32_fp64_silu(monkeypatch):
     torch.compile(lambda t: dispatch.swiglu(t, F.silu) + dispatch.rms_norm(t[:, :4], weight[:4], 1e-5),
                   backend="eager", fullgraph=True)(x)
     assert calls == []
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+def test_a_compiled_steps_projection_calls_the_gemv_op_exactly_where_chosen(gemv, kernel_calls, monkeypatch):
+    """``dispatch.linear`` in a compiled graph: the C++ GEMV as a custom op where ``GEMV_IN_COMPILED_STEPS`` (MKL's
+    GEMV slow: non-Intel CPUs), else Inductor's own product; equal to ``F.linear`` either way (fp64), and the op runs
+    only for a decoding step's few rows without gradients."""
+    from bilinear_lm.modeling import dispatch
+
+    calls = kernel_calls
+    monkeypatch.setattr(dispatch, "GEMV_IN_COMPILED_STEPS", gemv)
+    layer = torch.nn.Linear(37, 11, bias=False).double()
+    x = torch.randn(2, 1, 37, dtype=torch.float64)
+    torch._dynamo.reset()  # the flag and the spy are read while tracing
+    compiled = torch.compile(lambda t: dispatch.linear(layer, t), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got = compiled(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight), rtol=1e-13, atol=1e-13)
+    assert ("small_batch_linear" in calls) == gemv
+    calls.clear()
+    assert compiled(x).requires_grad and not calls  # gradients: Inductor's product (a recompile)
