@@ -365,7 +365,7 @@ def part_compiled(args):
              "| first compiled call s | first step: max abs logit difference |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     rounds = 4
-    names = ("bilinear", *(m for m in args.models if m.startswith(SIZED_MODELS)), *(["llama"] * ("llama" in args.models)))
+    names = ["bilinear", *(m for m in args.models if m.startswith(SIZED_MODELS))] + ["llama"] * ("llama" in args.models)
     compiled_ms = {}
     for size in args.sizes:
         if args.baseline_tree:

@@ -160,7 +160,6 @@ def _scan_functions(impl: str):
     return torch_scan_forward, torch_scan_backward
 
 
-
 @torch.library.custom_op(f"{_NAMESPACE}::cp_scan", mutates_args=())
 def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
             offset: int, restart: torch.Tensor, p_start: torch.Tensor,
