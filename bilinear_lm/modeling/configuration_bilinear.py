@@ -84,8 +84,9 @@ class BilinearConfig(PreTrainedConfig):
     matrix `S` (`memory_value_size x memory_key_size`) and a homogeneous coordinate `c`, written by a projective gated
     delta rule `S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t c v_t k_t^T` (`alpha` in (0, 1], `beta` in
     (0, 2), unit keys; `S / c` is the gated delta rule with negative eigenvalues, a non-expansive memory) and read by a
-    query, `S_t q_t / c` (RMS-normalized, gated). Queries, keys and values pass a short causal convolution of
-    `memory_conv_width` (with a residual, as `conv_width`'s). The update has no additive term in `[S; c]`, so the
+    query, `S_t q_t / c` (RMS-normalized, not gated). Queries, keys and values pass a short causal convolution of
+    `memory_conv_width` (with a residual, as `conv_width`'s); queries and keys share a small positive offset and the
+    write starts weak (`beta` 0.095), so an untrained memory reads a bag of the values before it (`BilinearMemory`). The update has no additive term in `[S; c]`, so the
     chunked normalization divides the memory by its own norm (never jointly with the tracking state) without changing
     an output. The tracking heads stay the bilinear heads of `mixer_type`.
 

@@ -351,11 +351,22 @@ class BilinearShortConv(nn.Module):
         return x + y, full[:, T:] * (doc[:, T:] == doc[:, -1:])[..., None].to(x.dtype)
 
 
+KEY_OFFSET = 0.1  # added to the memory's queries and keys before their unit norm (BilinearMemory: why)
+BETA_SHIFT = 3.0  # beta = 2 sigmoid(b - BETA_SHIFT): 0.095 at init, a weak write
+
+
 class BilinearMemory(nn.Module):
     """The memory heads of a bilinear mixer (``config.memory_heads``): a projective gated delta rule
-    (``recurrence.reference_delta_rule``) on queries, unit keys and values from a short causal convolution (SiLU),
-    ``alpha = exp(-exp(A_log) softplus(a + dt_bias))`` in ``(0, 1]``, ``beta = 2 sigmoid(b)`` in ``(0, 2)``, the
-    read-out ``S q / c`` RMS-normalized per head and gated.
+    (``recurrence.reference_delta_rule``) on queries, keys and values from a short causal convolution (SiLU; queries
+    and keys plus :data:`KEY_OFFSET`, then to unit norm), ``alpha = exp(-exp(A_log) softplus(a + dt_bias))`` in
+    ``(0, 1]``, ``beta = 2 sigmoid(b - BETA_SHIFT)`` in ``(0, 2)``, the read-out ``S q / c`` RMS-normalized per head
+    (not gated).
+
+    At init the memory is a bag: every key shares the offset's direction (positive ``q . k``) and the writes are weak
+    (``beta`` 0.095), so a query reads a decayed sum of the values before it, a signal that points the same way for
+    every query. Without any one of the three (``q . k`` and an output gate have random signs per token pair, a full
+    write keeps mostly the newest value), MQAR at vocabulary 8,192 stayed near chance for hundreds of steps more
+    (docs/architecture.md, docs/results-history.md "Issue 38: the memory heads recall").
 
     ``forward(x, memory, mask, offset, reset) -> (y [B, T, heads * value_size], memory)``; ``memory`` is
     ``(S [B, heads, value_size, key_size], c [B, heads], window [B, conv_width - 1, channels])``, or None: an empty
@@ -367,8 +378,8 @@ class BilinearMemory(nn.Module):
         self.config = config
         N, Dk, Dv = config.memory_heads, config.memory_key_size, config.memory_value_size
         self.num_heads, self.key_size, self.value_size = N, Dk, Dv
-        # One fused projection: [queries, keys, values (through the convolution) | beta | alpha | output gate].
-        self.split_sizes = [N * (2 * Dk + Dv), N, N, N * Dv if config.use_gate else 0]
+        # One fused projection: [queries, keys, values (through the convolution) | beta | alpha].
+        self.split_sizes = [N * (2 * Dk + Dv), N, N]
         self.in_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
         self.conv = BilinearShortConv(N * (2 * Dk + Dv), config.memory_conv_width)
         self.A_log = nn.Parameter(torch.empty(N))
@@ -386,24 +397,21 @@ class BilinearMemory(nn.Module):
     def forward(self, x, memory=None, mask=None, offset: int | torch.Tensor = 0, reset=None):
         B, T, _ = x.shape
         N, Dk, Dv = self.num_heads, self.key_size, self.value_size
-        qkv, b, a, gate = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
+        qkv, b, a = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
         S, c, window = (None, None, None) if memory is None else memory
         qkv, window = self.conv(qkv, window, mask, reset)
         with torch.autocast(device_type=x.device.type, enabled=False):  # the recurrence in at least fp32
             dtype = torch.promote_types(x.dtype, torch.float32)
             q, k, v = F.silu(qkv.to(dtype)).split([N * Dk, N * Dk, N * Dv], dim=-1)
-            q = F.normalize(q.view(B, T, N, Dk), dim=-1, eps=1e-6)
-            k = F.normalize(k.view(B, T, N, Dk), dim=-1, eps=1e-6)
+            q = F.normalize(q.view(B, T, N, Dk) + KEY_OFFSET, dim=-1, eps=1e-6)
+            k = F.normalize(k.view(B, T, N, Dk) + KEY_OFFSET, dim=-1, eps=1e-6)
             g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
-            beta = 2 * torch.sigmoid(b.to(dtype))
+            beta = 2 * torch.sigmoid(b.to(dtype) - BETA_SHIFT)
             if S is None:
                 S, c = x.new_zeros(B, N, Dv, Dk, dtype=dtype), x.new_ones(B, N, dtype=dtype)
             o, (S, c) = memory_recurrence(q, k, v.view(B, T, N, Dv), g, beta, (S.to(dtype), c.to(dtype)), mask,
                                           self.config.norm_chunk_size, offset, self.config.recurrence_impl, reset)
-        y = self.out_norm(o).to(x.dtype).flatten(2)
-        if self.config.use_gate:
-            y = y * F.silu(gate)
-        return y, (S, c, window)
+        return self.out_norm(o).to(x.dtype).flatten(2), (S, c, window)
 
 
 class BilinearMixer(nn.Module):
