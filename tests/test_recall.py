@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bilinear_lm.probes import recall
 from bilinear_lm.probes.recall import (IGNORE, POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, answer_accuracy,
                                        answer_logits, best_run, mqar, parse_point, recall_data, recall_model,
-                                       run_recall, sweep_lrs, zoology_batch_size)
+                                       run_recall, state_floats, sweep_lrs, zoology_batch_size)
 from bilinear_lm.probes.report import recall_table
 
 TINY = dict(vocab_size=32, seq_len=16, num_pairs=2, train_examples=24, valid_examples=6, test_examples=6,
@@ -164,7 +164,9 @@ def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
         (p, m, lr) for p in ("16x2", "16x3") for m in ("lstm", "llama") for lr in (1e-3, 1e-2)]
     assert all(r["steps"] == r["epochs_run"] * 2 and r["examples_seen"] == r["epochs_run"] * 16 for r in runs)
     table = (tmp_path / "table.md").read_text()
-    assert table.splitlines()[0] == "| model | params | 16x2 | 16x3 |" and "| llama |" in table
+    assert table.splitlines()[0] == "| model | params | state floats / layer | 16x2 | 16x3 |"
+    assert "| llama | 9k | 512 |" in table  # keys and values of 16 positions of width 16, per layer
+    assert (tmp_path / "recall_vs_state.png").read_bytes()[:4] == b"\x89PNG"
     assert "Devices: " + recall.cpu_name().split(",")[0] in table
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
     assert main([*args, "--points", "16x2", "--models", "lstm", "--lrs", "3e-3"]) == 0  # another lr: a new run
@@ -174,13 +176,13 @@ def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
 def test_recall_table_shows_the_best_lr_by_validation_and_every_run():
     base = dict(model="llama", extra={}, seq_len=64, num_pairs=4, point="64x4", num_params=1000, train_examples=100,
                 stop="epochs", epochs_run=2, epochs=2, steps=4, examples_seen=200, seconds=1.0, s_per_step=0.25,
-                cpu_s_per_step=0.125, device="cpu X")
+                cpu_s_per_step=0.125, device="cpu X", state_floats=8192.0)
     runs = [dict(base, seed=0, lr=1e-3, valid_acc=0.5, test_acc=0.6), dict(base, seed=0, lr=1e-2, valid_acc=0.9,
                                                                           test_acc=0.8),
             dict(base, seed=1, lr=1e-3, valid_acc=1.0, test_acc=1.0), dict(base, seed=1, lr=1e-2, valid_acc=0.1,
                                                                            test_acc=0.1)]
     lines = recall_table(runs).splitlines()
-    assert lines[2] == "| llama | 1k | 0.900 (lr 0.001, 0.01) (n=2) |"
+    assert lines[2] == "| llama | 1k | 8,192 | 0.900 (lr 0.001, 0.01) (n=2) |"
     assert lines[6].startswith("| llama | 64x4 | 0 | 0.001 | 100 | 0.500 | 0.600 | epochs | 2/2 | 4 | 200 | 1 | 0.250 | 0.125 |")
 
 
@@ -210,3 +212,16 @@ def test_every_recall_model_has_untied_output_embeddings():
         model = recall_model(name, config)
         out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
         assert out.data_ptr() != inp.data_ptr(), name
+
+
+def test_state_floats_count_every_cached_tensor_per_layer():
+    """Closed forms: Llama's keys and values (2 x length x width), an LSTM's h and c, and the memory-head model's
+    tracking state, convolution windows, memory matrices and homogeneous coordinates."""
+    c = RecallConfig(**TINY)
+    D, N, H = c.hidden_size, c.num_heads, c.state_size
+    assert state_floats(recall_model("llama", c), c.seq_len) == 2 * c.seq_len * D
+    assert state_floats(recall_model("lstm", c), c.seq_len) == 2 * D
+    Dk = Dv = D // N  # recall_model's memory heads: num_heads of hidden / num_heads
+    memory = N * (Dv * Dk + 1) + 3 * N * (2 * Dk + Dv)  # S, c and the memory's window of 3 positions
+    assert state_floats(recall_model("bilinear-memory", c), c.seq_len) == N * H + 3 * D + memory
+    assert state_floats(recall_model("bilinear", c), c.seq_len) == N * H

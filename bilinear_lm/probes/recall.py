@@ -180,6 +180,23 @@ def answer_logits(model, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[to
 
 
 @torch.no_grad()
+def state_floats(model, seq_len: int) -> float:
+    """Floats the model carries from one position to the next after ``seq_len`` tokens, per layer, batch 1 (the
+    x-axis of Zoology's recall-against-state plots): every tensor of its cache (recurrent states, convolution
+    windows, an attention layer's keys and values), averaged over the layers; an LSTM's ``h`` and ``c``."""
+    if isinstance(model, LSTMLanguageModel):
+        return 2.0 * model.config.hidden_size
+    device = next(model.parameters()).device
+    with eval_mode(model):
+        cache = model(torch.ones(1, seq_len, dtype=torch.long, device=device), use_cache=True).past_key_values
+    tensors = list(getattr(cache, "attention_conv_windows", {}).values())
+    for layer in cache.layers:
+        tensors += [*getattr(layer, "recurrent_states", {}).values(), *getattr(layer, "conv_states", {}).values(),
+                    getattr(layer, "keys", None), getattr(layer, "values", None)]
+    return sum(t.numel() for t in tensors if t is not None) / len(cache.layers)
+
+
+@torch.no_grad()
 def answer_accuracy(model, tokens, labels, batch_size: int = 500) -> float:
     """Fraction of the answers (``labels != -100``) whose argmax logit is the value."""
     correct = total = 0
@@ -272,6 +289,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
     result = {"model": model_name, "seed": seed, "point": c.point,
               **{k: v for k, v in asdict(c).items() if k != "extra"}, "extra": dict(c.extra), "config": asdict(c),
               "num_params": sum(p.numel() for p in model.parameters()),
+              "state_floats": state_floats(model, c.seq_len),
               "train_loss": history[-1]["train_loss"], "valid_acc": history[-1]["valid_acc"],
               "test_acc": answer_accuracy(model, *data["test"]), "stop": stop, "epochs_run": len(history),
               "steps": step, "examples_seen": seen,

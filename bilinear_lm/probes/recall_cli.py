@@ -5,8 +5,9 @@ training are ``bilinear_lm.probes.recall`` (``mqar``, ``run_recall``, ``RecallCo
 protocol and where it differs from Zoology's). Every (point, seed, model, lr) is one run: trained on a fixed set of
 ``--train-examples`` for at most ``--epochs`` epochs, stopped after the first epoch whose validation accuracy reaches
 ``--target``. The table keeps, per model, point and seed, the lr with the best validation accuracy and shows its test
-accuracy on fresh examples, with each run's cost (steps, examples seen, seconds, s/step, the CPU). The results file
-is resumed: a run already there is not run again.
+accuracy on fresh examples and the model's state floats per layer, with each run's cost (steps, examples seen, seconds,
+s/step, the CPU); ``recall_vs_state.png`` plots accuracy against state beside Zoology's published points. The results
+file is resumed: a run already there is not run again.
 
     bilinear-recall --points 64x4 --models llama --threads 1 --output-dir runs/recall      # Zoology's 4 lrs
     bilinear-recall --points 64x4,128x8,256x16 --models llama,bilinear-conv --output-dir runs/recall
@@ -26,9 +27,9 @@ import torch
 
 from ..utils import keep_freed_memory
 from .cli import add_config_flags, config_from_args, flag_error, parse_list
-from .recall import (POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, parse_point, recall_data, run_recall,
-                     zoology_batch_size)
-from .report import recall_table
+from .recall import (POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, parse_point, recall_data, recall_model,
+                     run_recall, state_floats, zoology_batch_size)
+from .report import plot_recall_vs_state, recall_table
 
 
 def run_key(model: str, seed: int, config: dict | None) -> str:
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--log-every", type=int, default=1, metavar="N",
                    help="print the training loss and validation accuracy every N epochs (0: only each run's result)")
-    p.add_argument("--output-dir", default="runs/recall", help="results.json (resumed) and table.md")
+    p.add_argument("--output-dir", default="runs/recall",
+                   help="results.json (resumed), table.md and recall_vs_state.png")
     add_config_flags(p, RecallConfig, exclude=("seq_len", "num_pairs", "batch_size", "lr", "extra"))
     return p
 
@@ -100,7 +102,11 @@ def main(argv=None) -> int:
                     tmp = results_path.with_suffix(".tmp")
                     tmp.write_text(json.dumps(runs, indent=1))
                     tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
+    for r in runs:  # runs recorded before the state column: their model's, built from their config
+        if r.get("state_floats") is None and r.get("config"):
+            r["state_floats"] = state_floats(recall_model(r["model"], RecallConfig(**r["config"])), r["seq_len"])
     table = recall_table(runs)
     (out / "table.md").write_text(table)
+    plot_recall_vs_state(runs, out / "recall_vs_state.png")
     print(table)
     return 0

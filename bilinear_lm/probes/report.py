@@ -1,5 +1,6 @@
 """Results of probe runs as tables and plots: state tracking (``markdown_table``, ``plot_accuracy_vs_length``,
-``write_report``) and MQAR recall (``recall_table``); ``run_key`` identifies a run in a results file."""
+``write_report``) and MQAR recall (``recall_table``, ``plot_recall_vs_state``); ``run_key`` identifies a run in a
+results file."""
 from __future__ import annotations
 
 import json
@@ -132,7 +133,8 @@ def recall_table(runs: list[dict]) -> str:
 
     cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
     rows = list(dict.fromkeys(row(r) for r in runs))
-    lines = ["| model | params | " + " | ".join(f"{L}x{p}" for L, p in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    lines = ["| model | params | state floats / layer | " + " | ".join(f"{L}x{p}" for L, p in cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
     for m in rows:
         cells = []
         for L, p in cols:
@@ -145,7 +147,9 @@ def recall_table(runs: list[dict]) -> str:
             text += " (lr " + ", ".join(f"{lr:.4g}" for lr in sorted({r["lr"] for r in best})) + ")"
             cells.append(text + (f" (n={len(best)})" if len(best) > 1 else ""))
         params = next(r["num_params"] for r in runs if row(r) == m)
-        lines.append(f"| {m} | {params / 1e3:.0f}k | " + " | ".join(cells) + " |")
+        floats = ", ".join(f"{v:,.0f}" for v in dict.fromkeys(r.get("state_floats") for r in runs if row(r) == m and
+                                                              r.get("state_floats") is not None)) or "-"
+        lines.append(f"| {m} | {params / 1e3:.0f}k | {floats} | " + " | ".join(cells) + " |")
     lines += ["", "| model | point | seed | lr | train examples | valid acc | test acc | stop | epochs | steps | "
               "examples seen | seconds | s/step | CPU s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -155,3 +159,44 @@ def recall_table(runs: list[dict]) -> str:
                      f"{r['cpu_s_per_step']:.3f} |")
     lines += ["", "Devices: " + "; ".join(dict.fromkeys(r["device"] for r in runs))]
     return "\n".join(lines) + "\n"
+
+
+# Zoology's published recall against state size (HazyResearch/zoology, January 2026 figure; accuracy on its test mix
+# of 4-256 pairs, width up to 256): (name, state floats per layer, accuracy). Not this repository's protocol or
+# points: a reference curve for plot_recall_vs_state.
+ZOOLOGY_PUBLISHED = (("DeltaNet", 9_000, 0.79), ("Gated DeltaNet", 17_000, 0.89), ("RWKV-7", 17_000, 0.82),
+                     ("GLA", 4_700, 0.53), ("Mamba-2", 8_000, 0.52))
+
+
+def plot_recall_vs_state(runs: list[dict], path) -> None:
+    """MQAR test accuracy (the best lr per model, point and seed, as :func:`recall_table`) against the state floats
+    per layer (``recall.state_floats``), one marker per point, beside :data:`ZOOLOGY_PUBLISHED` (gray), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .recall import best_run
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, floats, acc in ZOOLOGY_PUBLISHED:
+        ax.scatter(floats, acc, color="gray", marker="x")
+        ax.annotate(name, (floats, acc), fontsize=7, color="gray", xytext=(4, -8), textcoords="offset points")
+    markers = dict(zip(sorted({r["point"] for r in runs}, key=lambda p: tuple(map(int, p.split("x")))), "osD^v<>"))
+    models = list(dict.fromkeys(r["model"] for r in runs if r.get("state_floats") is not None))
+    for i, model in enumerate(models):
+        for point, marker in markers.items():
+            cell = [r for r in runs if r["model"] == model and r["point"] == point and r.get("state_floats")]
+            best = [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
+            if best:
+                ax.scatter([r["state_floats"] for r in best], [r["test_acc"] for r in best], marker=marker,
+                           color=f"C{i}", label=f"{model} {point}")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("state floats per layer (attention: its keys and values)")
+    ax.set_ylabel("MQAR test accuracy")
+    ax.set_title("Recall against state size (gray: Zoology's published points, its own test mix)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
