@@ -173,6 +173,28 @@ def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
     assert [r["lr"] for r in json.loads((tmp_path / "results.json").read_text())[8:]] == [3e-3]
 
 
+def test_two_sweeps_into_one_folder_keep_each_others_runs(tmp_path, monkeypatch):
+    """A run that another sweep wrote to results.json while this one trained stays in the file beside this one's."""
+    from bilinear_lm.probes import recall_cli
+
+    def fake_run(model, config, seed, **kwargs):
+        other = {"model": "other", "seed": 5, "config": None}
+        path = tmp_path / "results.json"
+        path.write_text(json.dumps([*json.loads(path.read_text()), other] if path.exists() else [other]))
+        return {"model": model, "seed": seed, "config": dataclasses.asdict(config)}
+
+    monkeypatch.setattr(recall_cli, "run_recall", fake_run)
+    monkeypatch.setattr(recall_cli, "recall_table", lambda runs: "")
+    monkeypatch.setattr(recall_cli, "plot_recall_vs_state", lambda runs, path: None)
+    monkeypatch.setattr(recall_cli, "state_floats", lambda model, seq_len: 1.0)
+    args = ["--points", "16x2", "--models", "lstm", "--lrs", "1e-3,1e-2", "--vocab-size", "32", "--output-dir",
+            str(tmp_path)]
+    assert recall_cli.main(args) == 0
+    runs = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["model"], r["config"]["lr"] if r["config"] else None) for r in runs] == [
+        ("other", None), ("lstm", 1e-3), ("other", None), ("lstm", 1e-2)]
+
+
 def test_recall_table_shows_the_best_lr_by_validation_and_every_run():
     base = dict(model="llama", extra={}, seq_len=64, num_pairs=4, point="64x4", num_params=1000, train_examples=100,
                 stop="epochs", epochs_run=2, epochs=2, steps=4, examples_seen=200, seconds=1.0, s_per_step=0.25,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -95,16 +96,20 @@ def main(argv=None) -> int:
                         continue
                     try:
                         data = data if data is not None else recall_data(config, seed)
-                        runs.append(run_recall(model, config, seed, data=data, device=args.device,
-                                               log=lambda line: print(line, flush=True), log_every=args.log_every))
+                        run = run_recall(model, config, seed, data=data, device=args.device,
+                                         log=lambda line: print(line, flush=True), log_every=args.log_every)
                     except ValueError as err:
                         raise SystemExit(f"error: {err}") from None
-                    tmp = results_path.with_suffix(".tmp")
+                    # the file as it is now (another sweep into this folder may have added runs), plus this run
+                    runs = json.loads(results_path.read_text()) if results_path.exists() else []
+                    runs.append(run)
+                    tmp = results_path.with_suffix(f".{os.getpid()}.tmp")
                     tmp.write_text(json.dumps(runs, indent=1))
                     tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
     for r in runs:  # runs recorded before the state column: their model's, built from their config
         if r.get("state_floats") is None and r.get("config"):
-            r["state_floats"] = state_floats(recall_model(r["model"], RecallConfig(**r["config"])), r["seq_len"])
+            config = RecallConfig(**r["config"])
+            r["state_floats"] = state_floats(recall_model(r["model"], config), config.seq_len)
     table = recall_table(runs)
     (out / "table.md").write_text(table)
     plot_recall_vs_state(runs, out / "recall_vs_state.png")
