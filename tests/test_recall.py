@@ -203,9 +203,12 @@ def test_recall_table_shows_the_best_lr_by_validation_and_every_run():
                                                                           test_acc=0.8),
             dict(base, seed=1, lr=1e-3, valid_acc=1.0, test_acc=1.0), dict(base, seed=1, lr=1e-2, valid_acc=0.1,
                                                                            test_acc=0.1)]
-    lines = recall_table(runs).splitlines()
+    hybrid = dict(base, model="bilinear-conv", seed=0, lr=1e-3, valid_acc=0.5, test_acc=0.7, state_floats=100.0,
+                  extra={"layer_types": ["bilinear", "full_attention"], "use_rope": False})
+    lines = recall_table([*runs, hybrid]).splitlines()
     assert lines[2] == "| llama | 1k | 8,192 | 0.900 (lr 0.001, 0.01) (n=2) |"
-    assert lines[6].startswith("| llama | 64x4 | 0 | 0.001 | 100 | 0.500 | 0.600 | epochs | 2/2 | 4 | 200 | 1 | 0.250 | 0.125 |")
+    assert lines[3] == '| bilinear-conv {"layer_types": "BA", "use_rope": false} | 1k | 100 | 0.700 (lr 0.001) |'
+    assert lines[7].startswith("| llama | 64x4 | 0 | 0.001 | 100 | 0.500 | 0.600 | epochs | 2/2 | 4 | 200 | 1 | 0.250 | 0.125 |")
 
 
 def test_recall_cli_flags_are_the_config_fields():

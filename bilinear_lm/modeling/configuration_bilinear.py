@@ -86,9 +86,9 @@ class BilinearConfig(PreTrainedConfig):
     (0, 2), unit keys; `S / c` is the gated delta rule with negative eigenvalues, a non-expansive memory) and read by a
     query, `S_t q_t / c` (RMS-normalized, not gated). Queries, keys and values pass a short causal convolution of
     `memory_conv_width` (with a residual, as `conv_width`'s); queries and keys share a small positive offset and the
-    write starts weak (`beta` 0.095), so an untrained memory reads a bag of the values before it (`BilinearMemory`). The update has no additive term in `[S; c]`, so the
-    chunked normalization divides the memory by its own norm (never jointly with the tracking state) without changing
-    an output. The tracking heads stay the bilinear heads of `mixer_type`.
+    write starts weak (`beta` 0.095), so an untrained memory reads a bag of the values before it (`BilinearMemory`).
+    The update has no additive term in `[S; c]`, so the chunked normalization divides the memory by its own norm
+    (never jointly with the tracking state) without changing an output. The tracking heads stay the bilinear heads of `mixer_type`.
 
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """

@@ -120,6 +120,15 @@ def write_report(runs: list[dict], out_dir: Path) -> None:
     plot_accuracy_vs_length(runs, out_dir / "accuracy_vs_length.png")
 
 
+def recall_label(r: dict) -> str:
+    """A recall run's model as tables and plots name it: the model and its ``extra`` config keys, with layer types
+    as a pattern (``B`` bilinear, ``A`` attention: a 3:1 hybrid is ``BBBA``)."""
+    extra = dict(r.get("extra") or {})
+    if "layer_types" in extra:
+        extra["layer_types"] = "".join("B" if t == "bilinear" else "A" for t in extra["layer_types"])
+    return r["model"] + (f" {json.dumps(extra, sort_keys=True)}" if extra else "")
+
+
 def recall_table(runs: list[dict]) -> str:
     """MQAR results (``bilinear_lm.probes.recall``), markdown. The summary: rows models (with their ``extra`` keys, if
     any), columns points (``seq_len x pairs``), cells the test accuracy of the run with the best validation accuracy
@@ -128,9 +137,7 @@ def recall_table(runs: list[dict]) -> str:
     load does not inflate)."""
     from .recall import best_run
 
-    def row(r):
-        return r["model"] + (f" {json.dumps(r['extra'], sort_keys=True)}" if r.get("extra") else "")
-
+    row = recall_label
     cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
     rows = list(dict.fromkeys(row(r) for r in runs))
     lines = ["| model | params | state floats / layer | " + " | ".join(f"{L}x{p}" for L, p in cols) + " |",
@@ -162,7 +169,7 @@ def recall_table(runs: list[dict]) -> str:
 
 
 # Zoology's published recall against state size (HazyResearch/zoology, January 2026 figure; accuracy on its test mix
-# of 4-256 pairs, width up to 256): (name, state floats per layer, accuracy). Not this repository's protocol or
+# of 4-256 pairs): (name, state floats per layer, accuracy). Not this repository's protocol or
 # points: a reference curve for plot_recall_vs_state.
 ZOOLOGY_PUBLISHED = (("DeltaNet", 9_000, 0.79), ("Gated DeltaNet", 17_000, 0.89), ("RWKV-7", 17_000, 0.82),
                      ("GLA", 4_700, 0.53), ("Mamba-2", 8_000, 0.52))
@@ -183,10 +190,10 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
         ax.scatter(floats, acc, color="gray", marker="x")
         ax.annotate(name, (floats, acc), fontsize=7, color="gray", xytext=(4, -8), textcoords="offset points")
     markers = dict(zip(sorted({r["point"] for r in runs}, key=lambda p: tuple(map(int, p.split("x")))), "osD^v<>"))
-    models = list(dict.fromkeys(r["model"] for r in runs if r.get("state_floats") is not None))
+    models = list(dict.fromkeys(recall_label(r) for r in runs if r.get("state_floats") is not None))
     for i, model in enumerate(models):
         for point, marker in markers.items():
-            cell = [r for r in runs if r["model"] == model and r["point"] == point and r.get("state_floats")]
+            cell = [r for r in runs if recall_label(r) == model and r["point"] == point and r.get("state_floats")]
             best = [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
             if best:
                 ax.scatter([r["state_floats"] for r in best], [r["test_acc"] for r in best], marker=marker,
