@@ -120,12 +120,15 @@ def write_report(runs: list[dict], out_dir: Path) -> None:
     plot_accuracy_vs_length(runs, out_dir / "accuracy_vs_length.png")
 
 
-def recall_label(r: dict) -> str:
-    """A recall run's model as tables and plots name it: the model and its ``extra`` config keys, with layer types
-    as a pattern (``B`` bilinear, ``A`` attention: a 3:1 hybrid is ``BBBA``)."""
+def recall_label(r: dict, short: bool = False) -> str:
+    """A recall run's model as tables name it: the model and its ``extra`` config keys, with layer types as a
+    pattern (``B`` bilinear, ``A`` attention: a 3:1 hybrid is ``BBBA``); ``short`` (a plot's legend): the model and
+    the pattern only."""
     extra = dict(r.get("extra") or {})
     if "layer_types" in extra:
         extra["layer_types"] = "".join("B" if t == "bilinear" else "A" for t in extra["layer_types"])
+    if short:
+        return r["model"] + (f" {extra['layer_types']}" if "layer_types" in extra else "")
     return r["model"] + (f" {json.dumps(extra, sort_keys=True)}" if extra else "")
 
 
@@ -197,13 +200,13 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
             best = [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
             if best:
                 ax.scatter([r["state_floats"] for r in best], [r["test_acc"] for r in best], marker=marker,
-                           color=f"C{i}", label=f"{model} {point}")
+                           color=f"C{i}", label=f"{recall_label(best[0], short=True)} {point}")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("state floats per layer (attention: its keys and values)")
     ax.set_ylabel("MQAR test accuracy")
     ax.set_title("Recall against state size (gray: Zoology's published points, its own test mix)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
