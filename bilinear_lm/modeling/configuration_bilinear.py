@@ -88,7 +88,8 @@ class BilinearConfig(PreTrainedConfig):
     `memory_conv_width` (with a residual, as `conv_width`'s); queries and keys share a small positive offset and the
     write starts weak (`beta` 0.095), so an untrained memory reads a bag of the values before it (`BilinearMemory`).
     The update has no additive term in `[S; c]`, so the chunked normalization divides the memory by its own norm
-    (never jointly with the tracking state) without changing an output. The tracking heads stay the bilinear heads of `mixer_type`.
+    (never jointly with the tracking state) without changing an output. The tracking heads stay the bilinear heads
+    of `mixer_type`.
 
     `num_hidden_layers=1, use_mlp=False` is the paper's minimal model (one recurrent layer, linear readout).
     """

@@ -207,6 +207,14 @@ class BilinearCacheMixin:
             self.attention_conv_windows[layer_idx] = self._keep(self.attention_conv_windows.get(layer_idx), window)
 
 
+def cache_layer_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor a cache layer holds (transformers' or this module's): a linear-attention layer's recurrent and
+    convolution states, an attention layer's keys and values; none before its first update."""
+    tensors = [*getattr(layer, "recurrent_states", {}).values(), *getattr(layer, "conv_states", {}).values(),
+               getattr(layer, "keys", None), getattr(layer, "values", None)]
+    return [t for t in tensors if t is not None]
+
+
 class BilinearCache(BilinearCacheMixin, DynamicCache):
     """transformers' ``DynamicCache`` built from ``config.layer_types``: a :class:`BilinearLayerCache` per bilinear
     layer, ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` per attention layer (O(1) memory in sequence length
@@ -249,13 +257,11 @@ class BilinearStaticCache(BilinearCacheMixin, StaticCache):
     def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
         """Select batch rows in every layer's buffers and ``key_padding``, in place (transformers' static layers
         would replace their buffers)."""
-        tensors = [self.key_padding]
+        tensors = [] if self.key_padding is None else [self.key_padding]
         for layer in self.layers:
-            tensors += [*getattr(layer, "recurrent_states", {}).values(), *getattr(layer, "conv_states", {}).values(),
-                        getattr(layer, "keys", None), getattr(layer, "values", None)]
+            tensors += cache_layer_tensors(layer)
         for tensor in tensors:
-            if tensor is not None:
-                tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+            tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def visible_keys(self, inputs_embeds: torch.Tensor, mask: torch.Tensor | None, offset: int | torch.Tensor,
                      same_document=None):

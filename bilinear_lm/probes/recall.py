@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..baselines import LSTMLanguageModel, build_model, optimizer_groups
+from ..modeling.modeling_bilinear import cache_layer_tensors
 from ..utils import eval_mode
 from .config import option
 
@@ -191,9 +192,8 @@ def state_floats(model, seq_len: int) -> float:
         cache = model(torch.ones(1, seq_len, dtype=torch.long, device=device), use_cache=True).past_key_values
     tensors = list(getattr(cache, "attention_conv_windows", {}).values())
     for layer in cache.layers:
-        tensors += [*getattr(layer, "recurrent_states", {}).values(), *getattr(layer, "conv_states", {}).values(),
-                    getattr(layer, "keys", None), getattr(layer, "values", None)]
-    return sum(t.numel() for t in tensors if t is not None) / len(cache.layers)
+        tensors += cache_layer_tensors(layer)
+    return sum(t.numel() for t in tensors) / len(cache.layers)
 
 
 @torch.no_grad()

@@ -132,38 +132,40 @@ def recall_label(r: dict, short: bool = False) -> str:
     return r["model"] + (f" {json.dumps(extra, sort_keys=True)}" if extra else "")
 
 
+def _best_per_seed(cell: list[dict]) -> list[dict]:
+    """The run each seed keeps (``recall.best_run``: the best validation accuracy over lrs) among ``cell``'s runs."""
+    from .recall import best_run
+
+    return [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
+
+
 def recall_table(runs: list[dict]) -> str:
     """MQAR results (``bilinear_lm.probes.recall``), markdown. The summary: rows models (with their ``extra`` keys, if
     any), columns points (``seq_len x pairs``), cells the test accuracy of the run with the best validation accuracy
     over lrs (``recall.best_run``), mean over seeds (with their count), and its lr; then every run with its cost
     (s/step: wall-clock seconds per training step; CPU s/step: the process's CPU time, which a shared machine's
     load does not inflate)."""
-    from .recall import best_run
-
-    row = recall_label
     cols = sorted({(r["seq_len"], r["num_pairs"]) for r in runs})
-    rows = list(dict.fromkeys(row(r) for r in runs))
+    rows = list(dict.fromkeys(recall_label(r) for r in runs))
     lines = ["| model | params | state floats / layer | " + " | ".join(f"{L}x{p}" for L, p in cols) + " |",
              "|---|---|---|" + "---|" * len(cols)]
     for m in rows:
-        cells = []
+        mine, cells = [r for r in runs if recall_label(r) == m], []
         for L, p in cols:
-            cell = [r for r in runs if row(r) == m and (r["seq_len"], r["num_pairs"]) == (L, p)]
-            best = [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
+            best = _best_per_seed([r for r in mine if (r["seq_len"], r["num_pairs"]) == (L, p)])
             if not best:
                 cells.append("-")
                 continue
             text = f"{sum(r['test_acc'] for r in best) / len(best):.3f}"
             text += " (lr " + ", ".join(f"{lr:.4g}" for lr in sorted({r["lr"] for r in best})) + ")"
             cells.append(text + (f" (n={len(best)})" if len(best) > 1 else ""))
-        params = next(r["num_params"] for r in runs if row(r) == m)
-        floats = ", ".join(f"{v:,.0f}" for v in dict.fromkeys(r.get("state_floats") for r in runs if row(r) == m and
-                                                              r.get("state_floats") is not None)) or "-"
-        lines.append(f"| {m} | {params / 1e3:.0f}k | {floats} | " + " | ".join(cells) + " |")
+        floats = ", ".join(f"{v:,.0f}" for v in dict.fromkeys(r["state_floats"] for r in mine
+                                                             if r.get("state_floats") is not None)) or "-"
+        lines.append(f"| {m} | {mine[0]['num_params'] / 1e3:.0f}k | {floats} | " + " | ".join(cells) + " |")
     lines += ["", "| model | point | seed | lr | train examples | valid acc | test acc | stop | epochs | steps | "
               "examples seen | seconds | s/step | CPU s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {row(r)} | {r['point']} | {r['seed']} | {r['lr']:.4g} | {r['train_examples']:,} | "
+        lines.append(f"| {recall_label(r)} | {r['point']} | {r['seed']} | {r['lr']:.4g} | {r['train_examples']:,} | "
                      f"{r['valid_acc']:.3f} | {r['test_acc']:.3f} | {r['stop']} | {r['epochs_run']}/{r['epochs']} | "
                      f"{r['steps']:,} | {r['examples_seen']:,} | {r['seconds']:.0f} | {r['s_per_step']:.3f} | "
                      f"{r['cpu_s_per_step']:.3f} |")
@@ -186,8 +188,6 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .recall import best_run
-
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, floats, acc in ZOOLOGY_PUBLISHED:
         ax.scatter(floats, acc, color="gray", marker="x")
@@ -196,8 +196,8 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
     models = list(dict.fromkeys(recall_label(r) for r in runs if r.get("state_floats") is not None))
     for i, model in enumerate(models):
         for point, marker in markers.items():
-            cell = [r for r in runs if recall_label(r) == model and r["point"] == point and r.get("state_floats")]
-            best = [best_run([r for r in cell if r["seed"] == s]) for s in dict.fromkeys(r["seed"] for r in cell)]
+            best = _best_per_seed([r for r in runs if recall_label(r) == model and r["point"] == point and
+                                   r.get("state_floats")])
             if best:
                 ax.scatter([r["state_floats"] for r in best], [r["test_acc"] for r in best], marker=marker,
                            color=f"C{i}", label=f"{recall_label(best[0], short=True)} {point}")
