@@ -338,6 +338,30 @@ def test_state_consistency_reads_the_states_the_model_reads_out():
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+def test_state_consistency_reads_the_memory_read_outs_the_model_reads_out():
+    """With memory heads, outputs.memory_reads (which run_probe's center loss reads beside the states) are the
+    memory's read-outs behind the logits: the logits recomputed by hand from mixer_states and memory_reads
+    (tracking read-out and memory read-out -> out_proj -> residual -> RMSNorm -> head), and a center loss on the
+    read-outs reaches the memory's projection and decay. Without memory heads there are none."""
+    task = make_task("parity")
+    model, _ = build_probe_model("bilinear-cp", task, dataclasses.replace(TINY_CONFIG, memory_heads=2, memory_size=4))
+    model = model.double().train()
+    x, y = task.sample(3, 6, torch.Generator().manual_seed(0))
+    out = model(input_ids=x, use_cache=False, output_mixer_states=True)
+    (h,), (r,) = out.mixer_states, out.memory_reads
+    assert r.shape == (3, 6, 2, 4) and r.requires_grad
+    mixer = model.model.layers[0].mixer
+    tracking = (h / h.norm(dim=-1, keepdim=True) * 8 ** 0.5 * mixer.state_norm.weight).flatten(2)
+    resid = model.model.embed_tokens(x) + torch.cat([tracking, r.flatten(2)], -1) @ mixer.out_proj.weight.T
+    normed = resid / resid.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * model.model.norm.weight
+    torch.testing.assert_close(out.logits, normed @ model.lm_head.weight.T)
+    state_consistency_loss(out.memory_reads, y, task.num_classes).backward()
+    assert mixer.memory.in_proj.weight.grad.abs().sum() > 0 and mixer.memory.A_log.grad.abs().sum() > 0
+    assert mixer.transition.W2.grad is None  # the read-outs' loss reaches the memory, not the tracking state
+    plain, _ = build_probe_model("bilinear-cp", task, TINY_CONFIG)
+    assert plain(input_ids=x, use_cache=False, output_mixer_states=True).memory_reads is None
+
+
 def test_state_consistency_changes_training_and_is_recorded(tmp_path):
     """Same seed and data: the center loss changes the weights (cross-entropy logged apart), and is recorded."""
     runs = {}

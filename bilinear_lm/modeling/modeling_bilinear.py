@@ -289,18 +289,22 @@ class BilinearStaticCache(BilinearCacheMixin, StaticCache):
 
 @dataclass
 class BilinearModelOutput(BaseModelOutputWithPast):
-    """``BaseModelOutputWithPast`` plus ``mixer_states``: with ``output_mixer_states=True``, one
-    ``[batch, seq_len, heads, state_size]`` tensor per bilinear layer, the recurrent state after each position (each head's state is defined up to a positive factor:
-    compare directions)."""
+    """``BaseModelOutputWithPast`` plus, with ``output_mixer_states=True``, ``mixer_states``: one
+    ``[batch, seq_len, heads, state_size]`` tensor per bilinear layer, the recurrent state after each position (each
+    head's state is defined up to a positive factor: compare directions), and with memory heads ``memory_reads``: one
+    ``[batch, seq_len, memory_heads, memory_value_size]`` tensor per bilinear layer, the memory's read-out at each
+    position (what enters the output projection beside the tracking state)."""
 
     mixer_states: tuple[torch.Tensor, ...] | None = None
+    memory_reads: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class BilinearCausalLMOutput(CausalLMOutputWithPast):
-    """``CausalLMOutputWithPast`` plus ``mixer_states`` (see :class:`BilinearModelOutput`)."""
+    """``CausalLMOutputWithPast`` plus ``mixer_states`` and ``memory_reads`` (see :class:`BilinearModelOutput`)."""
 
     mixer_states: tuple[torch.Tensor, ...] | None = None
+    memory_reads: tuple[torch.Tensor, ...] | None = None
 
 
 class BilinearRMSNorm(nn.Module):
@@ -426,8 +430,9 @@ class BilinearMixer(nn.Module):
 
     The mixer owns the projections and the readout; ``transition`` (a class of ``transitions.TRANSITIONS``, by
     ``mixer_type``) owns ``A`` and runs the recurrence. ``forward(x, state, mask, offset, reset, memory) -> (y, states,
-    final, memory)``: the layer receives and returns its state (``states``: the state after every position,
-    ``[B, T, heads, state_size]``; a missing ``state`` starts from the learned ``h_start``) and its memory (None
+    final, memory, read)``: the layer receives and returns its state (``states``: the state after every position,
+    ``[B, T, heads, state_size]``; a missing ``state`` starts from the learned ``h_start``) and its memory, and
+    ``read`` is the memory heads' read-out at every position, ``[B, T, memory_heads, memory_value_size]`` (both None
     without memory heads).
     """
 
@@ -479,10 +484,12 @@ class BilinearMixer(nn.Module):
         y = self.state_norm(states).flatten(2).to(x.dtype)
         if self.config.use_gate:
             y = y * F.silu(gate)
+        read = None
         if self.memory is not None:
             read, memory = self.memory(x, memory, mask, offset, reset)
             y = torch.cat([y, read], dim=-1)
-        return linear(self.out_proj, y), states, final, memory
+            read = read.unflatten(-1, (self.memory.num_heads, self.memory.value_size))
+        return linear(self.out_proj, y), states, final, memory, read
 
 
 class BilinearMLP(nn.Module):
@@ -597,7 +604,8 @@ class BilinearBlock(PreNormBlock):
         super().__init__(config, layer_idx, mixer=BilinearMixer(config, layer_idx))
 
     def forward(self, hidden_states, cache=None, mask=None, offset: int = 0, reset=None):
-        """``(hidden [B,T,D], cache, mask, offset, reset) -> (hidden, states [B,T,N,S])``: the state and the
+        """``(hidden [B,T,D], cache, mask, offset, reset) -> (hidden, states [B,T,N,S], read)`` (``read``: the
+        memory heads' read-out, see :class:`BilinearMixer`): the state and the
         convolution's window come from and go back to ``cache`` (a :class:`BilinearCache`, or None: start from
         ``h_start`` and zeros); ``reset``: ``[B, T]`` bool, document starts, or None."""
         idx = self.layer_idx
@@ -606,14 +614,14 @@ class BilinearBlock(PreNormBlock):
         if cache is not None and self.mixer.memory is not None and cache.get_recurrent_state(idx, 1) is not None:
             memory = (cache.get_recurrent_state(idx, 1), cache.get_recurrent_state(idx, 2), cache.conv_window(idx, 1))
         mixer_input = self.mixing_input(hidden_states, cache, mask, reset)
-        mixed, states, final_state, memory = self.mixer(mixer_input, state, mask, offset, reset, memory)
+        mixed, states, final_state, memory, read = self.mixer(mixer_input, state, mask, offset, reset, memory)
         if cache is not None:
             cache.update_recurrent_state(final_state, idx, num_positions=hidden_states.shape[1])
             if memory is not None:
                 cache.update_recurrent_state(memory[0], idx, 1)
                 cache.update_recurrent_state(memory[1], idx, 2)
                 cache.set_conv_window(idx, memory[2], 1)
-        return self.mlp_residual(hidden_states + mixed), states
+        return self.mlp_residual(hidden_states + mixed), states, read
 
 
 class BilinearAttentionBlock(PreNormBlock):
@@ -884,11 +892,14 @@ class BilinearModel(BilinearPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_mixer_states = () if output_mixer_states else None
+        all_memory_reads = () if output_mixer_states and self.config.memory_heads else None
         for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
             if kind == "bilinear":
-                hidden_states, states = layer(hidden_states, past_key_values, mask, offset, reset)
+                hidden_states, states, read = layer(hidden_states, past_key_values, mask, offset, reset)
                 if output_mixer_states:
                     all_mixer_states += (states,)
+                if all_memory_reads is not None:
+                    all_memory_reads += (read,)
             else:
                 hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset,
                                       **kwargs)
@@ -902,6 +913,7 @@ class BilinearModel(BilinearPreTrainedModel):
             past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden_states,
             mixer_states=all_mixer_states,
+            memory_reads=all_memory_reads,
         )
 
 
@@ -1016,6 +1028,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             mixer_states=outputs.mixer_states,
+            memory_reads=outputs.memory_reads,
         )
 
 

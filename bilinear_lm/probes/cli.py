@@ -12,9 +12,9 @@ validation (accuracy, -loss) are kept, and training stops once validation accura
 ``--patience`` steps (or when ``--steps`` / ``--max-seconds`` run out).
 
 Beyond the paper's protocol, ``--state-consistency W`` adds W x a center loss on the recurrent state of the
-bilinear models (``bilinear_lm.probes.state_consistency_loss``): same training data, lengths and labels, but
-prefixes with the same label are pulled onto one state direction, so that what the model fits at lengths 2-10 is
-a finite automaton on those directions and holds at any length.
+bilinear models (and the memory heads' read-outs; ``bilinear_lm.probes.state_consistency_loss``): same training
+data, lengths and labels, but prefixes with the same label are pulled onto one state direction, so that what the
+model fits at lengths 2-10 is a finite automaton on those directions and holds at any length.
 
     bilinear-probes --task modular_addition --m 5 --model bilinear-full
     bilinear-probes --task parity --model lstm --steps 2000 --output parity.json

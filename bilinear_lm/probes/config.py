@@ -43,8 +43,9 @@ class ProbeConfig:
                               choices=LR_SCHEDULES)
     grad_clip: float = option(1.0, "max grad norm (0 = off)")
     state_consistency: float = option(
-        0.0, "bilinear: add WEIGHT x a center loss pulling together the recurrent states of prefixes with the same "
-             "label (for tasks whose label is the automaton state; 0 = off, the paper's protocol)", metavar="WEIGHT")
+        0.0, "bilinear: add WEIGHT x a center loss pulling together the recurrent states (and memory read-outs) of "
+             "prefixes with the same label (for tasks whose label is the automaton state; 0 = off, the paper's "
+             "protocol)", metavar="WEIGHT")
     eval_tokens: int = option(8192, "tokens per evaluation chunk (memory bound)")
     hidden_size: int = option(128, "model width")
     state_size: int = option(128, "bilinear state size")

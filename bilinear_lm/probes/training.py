@@ -5,8 +5,8 @@ Protocol (Ebrahimi & Memisevic, NeurIPS 2025): per-position cross-entropy on len
 accuracy. Model selection and stopping use a held-out validation set at a length well beyond training (default
 250), never training accuracy: the weights with the best validation (accuracy, -loss) are kept, and training
 stops once validation accuracy has been perfect for ``patience`` steps (or when ``steps`` / ``max_seconds`` run
-out). Optionally (``state_consistency`` > 0, bilinear models) a center loss on the recurrent state, read with
-``output_mixer_states=True``, see :func:`state_consistency_loss`.
+out). Optionally (``state_consistency`` > 0, bilinear models) a center loss on the recurrent state and the memory
+heads' read-outs, read with ``output_mixer_states=True``, see :func:`state_consistency_loss`.
 
 Metrics per test length L: ``final_acc`` (position L), ``beyond_train_acc`` (mean accuracy over positions >
 max training length), their chance-normalized versions ``(acc - chance) / (1 - chance)``, and
@@ -47,14 +47,15 @@ def check_state_consistency(task: Task, model_name: str, config: ProbeConfig) ->
 def state_consistency_loss(states, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Center loss on the recurrent state: squared distance of each position's state (each head scaled to unit
     norm, summed over heads) to the batch mean of the states with the same label, averaged over positions and
-    layers. ``states``: one ``[B, T, heads, state]`` tensor per layer (``outputs.mixer_states`` of a forward with
-    ``output_mixer_states=True``); ``labels``: ``[B, T]``.
+    tensors. ``states``: ``[B, T, heads, state]`` tensors (``outputs.mixer_states`` of a forward with
+    ``output_mixer_states=True``, and its ``memory_reads`` with memory heads); ``labels``: ``[B, T]``.
 
     The state is only defined up to a positive factor per head, so it is compared as a direction (a sign flip
     counts as an error). When the label is the automaton state, a model at zero loss keeps one state per
     automaton state at lengths 2-10; its transitions then map those states onto each other, which holds at any
     length. Without it, the states of one automaton state drift apart with the history, slowly enough to pass at
-    training lengths.
+    training lengths. The memory heads' read-outs get the same loss: without it, a memory that solves parity on
+    lengths 2-10 (and fails at 500) was learnt before the tracking heads' solution (docs/results.md, memory heads).
     """
     if not states or any(h.shape[:2] != labels.shape for h in states):
         raise ValueError(f"state consistency needs one [B, T, heads, state] tensor per bilinear layer for labels "
@@ -143,7 +144,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         if with_consistency:
             out = model(input_ids=x, use_cache=False, output_mixer_states=True)
             logits = out.logits[..., :C].float()
-            consistency = state_consistency_loss(out.mixer_states, y, C)
+            consistency = state_consistency_loss(out.mixer_states + (out.memory_reads or ()), y, C)
         else:
             logits = class_logits(model, x, C)
         ce = F.cross_entropy(logits.reshape(-1, C), y.reshape(-1))
