@@ -154,7 +154,7 @@ def test_every_transition_type_follows_its_transition_matrices(mixer_type):
     x = torch.randn(2, 7, 12, dtype=torch.float64)
     mask = random_mask(2, 7)
     with torch.no_grad():
-        y, _, final, _ = mixer(x, mask=mask, offset=2)
+        y, _, final, _, _ = mixer(x, mask=mask, offset=2)
         factors = mixer.transition.factors(mixer.in_proj(x)[..., : mixer.split_sizes[0]].view(2, 7, 2, -1))
         states = explicit_matrix_loop(mixer.transition.matrices(factors), mixer.h_start, mask, 3, 2)
     torch.testing.assert_close(final, states[:, -1], rtol=1e-10, atol=1e-12)
