@@ -317,6 +317,18 @@ def test_state_consistency_loss_matches_a_per_class_loop():
     assert state_consistency_loss([flipped], labels, C) > 1e-3
 
 
+def minimal_probe_logits_by_hand(model, x, h, memory_read=None):
+    """The minimal probe model's logits (1 layer, no gate, no MLP) from its state ``h`` and, with memory heads, its
+    memory's read-out: unit norm x scale (and the read-out beside it) -> out_proj -> residual -> RMSNorm -> head."""
+    mixer = model.model.layers[0].mixer
+    read = (h / h.norm(dim=-1, keepdim=True) * h.shape[-1] ** 0.5 * mixer.state_norm.weight).flatten(2)
+    if memory_read is not None:
+        read = torch.cat([read, memory_read.flatten(2)], -1)
+    resid = model.model.embed_tokens(x) + read @ mixer.out_proj.weight.T
+    normed = resid / resid.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * model.model.norm.weight
+    return normed @ model.lm_head.weight.T
+
+
 def test_state_consistency_reads_the_states_the_model_reads_out():
     """outputs.mixer_states (what run_probe's center loss reads) are the states behind the logits: the minimal
     model's logits recomputed from them by hand (unit norm x scale -> out_proj -> residual -> RMSNorm -> head), and
@@ -329,10 +341,7 @@ def test_state_consistency_reads_the_states_the_model_reads_out():
     (h,) = out.mixer_states
     assert h.shape == (3, 6, 1, 8) and h.requires_grad
     mixer = model.model.layers[0].mixer
-    read = (h / h.norm(dim=-1, keepdim=True) * 8 ** 0.5 * mixer.state_norm.weight).flatten(2)
-    resid = model.model.embed_tokens(x) + read @ mixer.out_proj.weight.T
-    normed = resid / resid.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * model.model.norm.weight
-    torch.testing.assert_close(out.logits, normed @ model.lm_head.weight.T)
+    torch.testing.assert_close(out.logits, minimal_probe_logits_by_hand(model, x, h))
     state_consistency_loss(out.mixer_states, y, task.num_classes).backward()
     for p in (mixer.transition.W2, mixer.in_proj.weight, mixer.h_start):  # through the scan, the input factors and the start state
         assert p.grad is not None and p.grad.abs().sum() > 0
@@ -351,10 +360,7 @@ def test_state_consistency_reads_the_memory_read_outs_the_model_reads_out():
     (h,), (r,) = out.mixer_states, out.memory_reads
     assert r.shape == (3, 6, 2, 4) and r.requires_grad
     mixer = model.model.layers[0].mixer
-    tracking = (h / h.norm(dim=-1, keepdim=True) * 8 ** 0.5 * mixer.state_norm.weight).flatten(2)
-    resid = model.model.embed_tokens(x) + torch.cat([tracking, r.flatten(2)], -1) @ mixer.out_proj.weight.T
-    normed = resid / resid.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt() * model.model.norm.weight
-    torch.testing.assert_close(out.logits, normed @ model.lm_head.weight.T)
+    torch.testing.assert_close(out.logits, minimal_probe_logits_by_hand(model, x, h, r))
     state_consistency_loss(out.memory_reads, y, task.num_classes).backward()
     assert mixer.memory.in_proj.weight.grad.abs().sum() > 0 and mixer.memory.A_log.grad.abs().sum() > 0
     assert mixer.transition.W2.grad is None  # the read-outs' loss reaches the memory, not the tracking state

@@ -58,9 +58,10 @@ def state_consistency_loss(states, labels: torch.Tensor, num_classes: int) -> to
     lengths 2-10 (and fails at 500) was learnt before the tracking heads' solution (docs/results.md, memory heads).
     """
     if not states or any(h.shape[:2] != labels.shape for h in states):
-        raise ValueError(f"state consistency needs one [B, T, heads, state] tensor per bilinear layer for labels "
-                         f"{tuple(labels.shape)}, got {[tuple(h.shape) for h in states or ()]} (pass the "
-                         "outputs.mixer_states of the same forward, run with output_mixer_states=True)")
+        raise ValueError(f"state consistency needs one [B, T, heads, state] tensor per bilinear layer (and per "
+                         f"memory read-out) for labels {tuple(labels.shape)}, got "
+                         f"{[tuple(h.shape) for h in states or ()]} (pass the outputs.mixer_states, and "
+                         "memory_reads, of the same forward, run with output_mixer_states=True)")
     y = labels.reshape(-1)
     onehot = F.one_hot(y, num_classes).to(states[0].dtype)
     counts = onehot.sum(0).clamp_min(1).unsqueeze(-1)
