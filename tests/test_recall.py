@@ -165,7 +165,7 @@ def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
     assert all(r["steps"] == r["epochs_run"] * 2 and r["examples_seen"] == r["epochs_run"] * 16 for r in runs)
     table = (tmp_path / "table.md").read_text()
     assert table.splitlines()[0] == "| model | params | state floats / layer | 16x2 | 16x3 |"
-    assert "| llama | 9k | 512 |" in table  # keys and values of 16 positions of width 16, per layer
+    assert "| llama hidden_size=16 num_heads=2 | 9k | 512 |" in table  # keys, values: 16 positions x width 16
     assert (tmp_path / "recall_vs_state.png").read_bytes()[:4] == b"\x89PNG"
     assert "Devices: " + recall.cpu_name().split(",")[0] in table
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
@@ -209,6 +209,24 @@ def test_recall_table_shows_the_best_lr_by_validation_and_every_run():
     assert lines[2] == "| llama | 1k | 8,192 | 0.900 (lr 0.001, 0.01) (n=2) |"
     assert lines[3] == '| bilinear-conv {"layer_types": "BA", "use_rope": false} | 1k | 100 | 0.700 (lr 0.001) |'
     assert lines[7].startswith("| llama | 64x4 | 0 | 0.001 | 100 | 0.500 | 0.600 | epochs | 2/2 | 4 | 200 | 1 | 0.250 | 0.125 |")
+
+
+def test_recall_table_keeps_two_widths_of_one_model_apart():
+    """Runs of one model at two widths are two rows (and two legend entries): the lr sweep's best run is chosen within
+    a width, never across widths, though the wider run validates better."""
+    from bilinear_lm.probes.report import recall_label
+
+    base = dict(model="llama", extra={}, seq_len=64, num_pairs=4, point="64x4", num_params=1000, train_examples=100,
+                stop="epochs", epochs_run=2, epochs=2, steps=4, examples_seen=200, seconds=1.0, s_per_step=0.25,
+                cpu_s_per_step=0.125, device="cpu X", seed=0, lr=1e-3, num_layers=2, num_heads=4, state_size=16)
+    runs = [dict(base, hidden_size=64, valid_acc=0.5, test_acc=0.4, state_floats=8192.0),
+            dict(base, hidden_size=128, valid_acc=0.9, test_acc=0.8, state_floats=16384.0)]
+    lines = recall_table(runs).splitlines()
+    assert lines[2] == "| llama | 1k | 8,192 | 0.400 (lr 0.001) |"
+    assert lines[3] == "| llama hidden_size=128 | 1k | 16,384 | 0.800 (lr 0.001) |"
+    hybrid = dict(runs[1], model="bilinear-conv", num_layers=4, extra={"layer_types": ["bilinear", "full_attention"]})
+    assert recall_label(hybrid) == 'bilinear-conv hidden_size=128 num_layers=4 {"layer_types": "BA"}'
+    assert recall_label(hybrid, short=True) == "bilinear-conv hidden_size=128 BA"
 
 
 def test_recall_cli_flags_are_the_config_fields():

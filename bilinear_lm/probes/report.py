@@ -120,16 +120,26 @@ def write_report(runs: list[dict], out_dir: Path) -> None:
     plot_accuracy_vs_length(runs, out_dir / "accuracy_vs_length.png")
 
 
+# The RecallConfig fields that shape a model: a run whose value differs from the default is labelled with it, so that
+# two widths of one model are two rows (and the lr sweep's best is chosen within a width, never across).
+RECALL_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "state_size")
+
+
 def recall_label(r: dict, short: bool = False) -> str:
-    """A recall run's model as tables name it: the model and its ``extra`` config keys, with layer types as a
-    pattern (``B`` bilinear, ``A`` attention: a 3:1 hybrid is ``BBBA``); ``short`` (a plot's legend): the model and
-    the pattern only."""
+    """A recall run's model as tables name it: the model, its shape where it differs from RecallConfig's defaults
+    (``hidden_size=128``) and its ``extra`` config keys, with layer types as a pattern (``B`` bilinear, ``A``
+    attention: a 3:1 hybrid is ``BBBA``); ``short`` (a plot's legend): the model, the width and the pattern only."""
+    from .recall import RecallConfig
+
+    default = RecallConfig()
+    shape = [f"{k}={r[k]}" for k in RECALL_SHAPE_FIELDS if r.get(k, getattr(default, k)) != getattr(default, k)]
     extra = dict(r.get("extra") or {})
     if "layer_types" in extra:
         extra["layer_types"] = "".join("B" if t == "bilinear" else "A" for t in extra["layer_types"])
     if short:
-        return r["model"] + (f" {extra['layer_types']}" if "layer_types" in extra else "")
-    return r["model"] + (f" {json.dumps(extra, sort_keys=True)}" if extra else "")
+        width = [s for s in shape if s.startswith("hidden_size=")]
+        return " ".join([r["model"], *width, *([extra["layer_types"]] if "layer_types" in extra else [])])
+    return " ".join([r["model"], *shape, *([json.dumps(extra, sort_keys=True)] if extra else [])])
 
 
 def _best_per_seed(cell: list[dict]) -> list[dict]:
