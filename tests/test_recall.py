@@ -136,6 +136,28 @@ def test_the_cosine_decays_to_zero_over_all_epochs(monkeypatch):
     assert seen == pytest.approx([0.005 * (1 + math.cos(math.pi * s / total)) for s in range(total)])
 
 
+def test_an_interrupted_run_resumes_from_its_last_epoch_to_the_uninterrupted_result(tmp_path):
+    """Killed while logging epoch 2, the run restarts from epoch 1's checkpoint: the model, AdamW's moments, the
+    cosine's step and the data order carry over, so epochs 2-3 repeat the uninterrupted run's losses exactly."""
+    config = RecallConfig(**{**TINY, "epochs": 3, "target": 1.0, "lr": 0.01})
+    whole = run_recall("llama", config, log=lambda _: None)
+
+    def interrupt(line):
+        if "epoch 2/3" in line:
+            raise KeyboardInterrupt
+
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(KeyboardInterrupt):
+        run_recall("llama", config, log=interrupt, checkpoint=checkpoint)
+    lines = []
+    resumed = run_recall("llama", config, log=lines.append, checkpoint=checkpoint)
+    assert "resumed" in lines[0] and "after epoch 1" in lines[0] and len(lines) == 1 + 2 + 1  # epochs 2, 3; result
+    for key in ("steps", "examples_seen", "valid_acc", "test_acc", "train_loss", "epochs_run"):
+        assert resumed[key] == whole[key], key
+    assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in whole["history"]]
+    assert len({h["train_loss"] for h in whole["history"]}) == 3  # the losses move: equal ones say something
+
+
 def test_the_lr_sweep_keeps_the_best_validation_accuracy(monkeypatch):
     valid = {1e-4: 0.3, 4.642e-4: 0.9, 2.154e-3: 0.99, 1e-2: 0.5}
     calls = []
@@ -168,6 +190,7 @@ def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
     assert "| llama hidden_size=16 num_heads=2 | 9k | 512 |" in table  # keys, values: 16 positions x width 16
     assert (tmp_path / "recall_vs_state.png").read_bytes()[:4] == b"\x89PNG"
     assert "Devices: " + recall.cpu_name().split(",")[0] in table
+    assert not list((tmp_path / "checkpoints").iterdir())  # a recorded run's checkpoint is deleted
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
     assert main([*args, "--points", "16x2", "--models", "lstm", "--lrs", "3e-3"]) == 0  # another lr: a new run
     assert [r["lr"] for r in json.loads((tmp_path / "results.json").read_text())[8:]] == [3e-3]

@@ -24,8 +24,10 @@ decay applies to the weight matrices only (``baselines.optimizer_groups``).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -243,11 +245,14 @@ def _log_result(r: dict, log) -> None:
 
 
 def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int = 0, log=print,
-               data: dict | None = None, device: str = "cpu", log_every: int = 1) -> dict:
+               data: dict | None = None, device: str = "cpu", log_every: int = 1,
+               checkpoint: str | Path | None = None) -> dict:
     """Train ``model_name`` on the fixed training set of ``config`` (``data``: :func:`recall_data`'s, made here if
     None) at ``config.lr`` until validation accuracy reaches ``config.target`` or ``config.epochs`` run out -> a
     result dict: accuracies, the cost (steps, examples seen, seconds, s/step, the CPU) and the per-epoch history.
-    ``log`` gets a line every ``log_every`` epochs (0: none) and the result's line."""
+    ``log`` gets a line every ``log_every`` epochs (0: none) and the result's line. ``checkpoint``: a file the run is
+    saved to after every epoch that it continues from (model, optimizer, schedule, data order, history); started with
+    that file present, the run resumes after its epoch and ends as the uninterrupted run would."""
     c = config
     data = data if data is not None else recall_data(c, seed)
     train_x, train_y = data["train"]
@@ -259,8 +264,17 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / total, 1))))
     shuffle = torch.Generator().manual_seed(seed)
     history, step, seen, stop, train_seconds, train_cpu = [], 0, 0, "epochs", 0.0, 0.0
-    t0 = time.perf_counter()
-    for epoch in range(1, c.epochs + 1):
+    if checkpoint is not None and Path(checkpoint).exists():
+        saved = torch.load(checkpoint, map_location=device, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        shuffle.set_state(saved["shuffle"])
+        history, step, seen, train_seconds, train_cpu = (saved[k] for k in ("history", "step", "seen",
+                                                                            "train_seconds", "train_cpu"))
+        log(f"{model_name} {c.point} lr {c.lr:.3g}: resumed from {checkpoint} after epoch {len(history)}")
+    t0 = time.perf_counter() - (history[-1]["seconds"] if history else 0.0)
+    for epoch in range(len(history) + 1, c.epochs + 1):
         t_epoch, cpu_epoch, loss_sum = time.perf_counter(), time.process_time(), torch.zeros((), device=device)
         order = torch.randperm(len(train_x), generator=shuffle)
         for i in range(0, len(train_x), c.batch_size):
@@ -285,6 +299,12 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
         if valid >= c.target:
             stop = "target"
             break
+        if checkpoint is not None and epoch < c.epochs:
+            tmp = Path(f"{checkpoint}.{os.getpid()}.tmp")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": schedule.state_dict(),
+                        "shuffle": shuffle.get_state(), "history": history, "step": step, "seen": seen,
+                        "train_seconds": train_seconds, "train_cpu": train_cpu}, tmp)
+            tmp.replace(checkpoint)  # atomic: an interruption leaves the last epoch's whole file
     seconds = time.perf_counter() - t0
     result = {"model": model_name, "seed": seed, "point": c.point,
               **{k: v for k, v in asdict(c).items() if k != "extra"}, "extra": dict(c.extra), "config": asdict(c),

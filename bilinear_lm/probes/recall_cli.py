@@ -7,7 +7,8 @@ protocol and where it differs from Zoology's). Every (point, seed, model, lr) is
 ``--target``. The table keeps, per model, point and seed, the lr with the best validation accuracy and shows its test
 accuracy on fresh examples and the model's state floats per layer, with each run's cost (steps, examples seen, seconds,
 s/step, the CPU); ``recall_vs_state.png`` plots accuracy against state beside Zoology's published points. The results
-file is resumed: a run already there is not run again.
+file is resumed: a run already there is not run again, and an interrupted run goes on from its last finished epoch
+(``checkpoints/`` in the output folder holds each unfinished run).
 
     bilinear-recall --points 64x4 --models llama --threads 1 --output-dir runs/recall      # Zoology's 4 lrs
     bilinear-recall --points 64x4,128x8,256x16 --models llama,bilinear-conv --output-dir runs/recall
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -92,11 +94,14 @@ def main(argv=None) -> int:
                                                   batch_size=batch, lr=lr)
                     except ValueError as err:
                         raise flag_error(err, RecallConfig) from None
-                    if run_key(model, seed, dataclasses.asdict(config)) in done:
+                    key = run_key(model, seed, dataclasses.asdict(config))
+                    if key in done:
                         continue
+                    checkpoint = out / "checkpoints" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
+                    checkpoint.parent.mkdir(exist_ok=True)
                     try:
                         data = data if data is not None else recall_data(config, seed)
-                        run = run_recall(model, config, seed, data=data, device=args.device,
+                        run = run_recall(model, config, seed, data=data, device=args.device, checkpoint=checkpoint,
                                          log=lambda line: print(line, flush=True), log_every=args.log_every)
                     except ValueError as err:
                         raise SystemExit(f"error: {err}") from None
@@ -106,6 +111,7 @@ def main(argv=None) -> int:
                     tmp = results_path.with_suffix(f".{os.getpid()}.tmp")
                     tmp.write_text(json.dumps(runs, indent=1))
                     tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
+                    checkpoint.unlink(missing_ok=True)
     for r in runs:  # runs recorded before the state column: their model's, built from their config
         if r.get("state_floats") is None and r.get("config"):
             config = RecallConfig(**r["config"])
