@@ -249,7 +249,8 @@ def test_recall_table_keeps_two_widths_of_one_model_apart():
     assert lines[3] == "| llama hidden_size=128 | 1k | 16,384 | 0.800 (lr 0.001) |"
     hybrid = dict(runs[1], model="bilinear-conv", num_layers=4, extra={"layer_types": ["bilinear", "full_attention"]})
     assert recall_label(hybrid) == 'bilinear-conv hidden_size=128 num_layers=4 {"layer_types": "BA"}'
-    assert recall_label(hybrid, short=True) == "bilinear-conv hidden_size=128 BA"
+    assert recall_label(hybrid, short=True) == "bilinear-conv hidden_size=128 num_layers=4 BA"
+    assert recall_label(dict(runs[0], num_heads=2), short=True) == "llama num_heads=2"  # a legend entry of its own
 
 
 def test_recall_cli_flags_are_the_config_fields():

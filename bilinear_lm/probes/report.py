@@ -128,7 +128,7 @@ RECALL_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "state_size")
 def recall_label(r: dict, short: bool = False) -> str:
     """A recall run's model as tables name it: the model, its shape where it differs from RecallConfig's defaults
     (``hidden_size=128``) and its ``extra`` config keys, with layer types as a pattern (``B`` bilinear, ``A``
-    attention: a 3:1 hybrid is ``BBBA``); ``short`` (a plot's legend): the model, the width and the pattern only."""
+    attention: a 3:1 hybrid is ``BBBA``); ``short`` (a plot's legend): the model, its shape and the pattern only."""
     from .recall import RecallConfig
 
     default = RecallConfig()
@@ -137,8 +137,7 @@ def recall_label(r: dict, short: bool = False) -> str:
     if "layer_types" in extra:
         extra["layer_types"] = "".join("B" if t == "bilinear" else "A" for t in extra["layer_types"])
     if short:
-        width = [s for s in shape if s.startswith("hidden_size=")]
-        return " ".join([r["model"], *width, *([extra["layer_types"]] if "layer_types" in extra else [])])
+        return " ".join([r["model"], *shape, *([extra["layer_types"]] if "layer_types" in extra else [])])
     return " ".join([r["model"], *shape, *([json.dumps(extra, sort_keys=True)] if extra else [])])
 
 
