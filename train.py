@@ -27,9 +27,9 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from bilinear_lm.baselines import bilinear_config, build_model, count_parameters, optimizer_groups
 from bilinear_lm.evaluation.harness import run_harness
 from bilinear_lm.modeling.transitions import build_kernels
-from bilinear_lm.training import (Config, Data, DataError, MetricsLog, StopOnSignal, Stopped, TrainingInputError,
-                                  TrainState, append_metrics, bf16_cpu_warning, check_launch, check_token_ids,
-                                  diverged_message, end_training, flat_config, load_data, load_data_state,
+from bilinear_lm.training import (Config, Data, DataError, DiskFullError, MetricsLog, StopOnSignal, Stopped,
+                                  TrainingInputError, TrainState, append_metrics, bf16_cpu_warning, check_launch,
+                                  check_token_ids, disk_full_is_one_line, diverged_message, end_training, flat_config, load_data, load_data_state,
                                   micro_batches, own_output_dir, params_identical_across_ranks, parse_config,
                                   peak_rss_mib, plot_losses, read_metrics, run_summary, save_checkpoint,
                                   unsharded_copy, write_model_card)
@@ -183,10 +183,11 @@ def finish(cfg: Config, accelerator, model, data: Data, state: TrainState, metri
     state_dict = accelerator.get_state_dict(model)
     out_dir = Path(cfg.train.output_dir)
     if accelerator.is_main_process:
-        # a shallow copy: save_pretrained empties the dict it is given (transformers 5); the unsharded copy needs it
-        unwrapped.save_pretrained(out_dir, state_dict=dict(state_dict), safe_serialization=True)
-        data.tokenizer.save_pretrained(out_dir)
-        unwrapped.generation_config.save_pretrained(out_dir)
+        with disk_full_is_one_line(cfg.train.output_dir, "the final model"):
+            # a shallow copy: save_pretrained empties the dict it is given (transformers 5); the unsharded copy needs it
+            unwrapped.save_pretrained(out_dir, state_dict=dict(state_dict), safe_serialization=True)
+            data.tokenizer.save_pretrained(out_dir)
+            unwrapped.generation_config.save_pretrained(out_dir)
         append_metrics(metrics.path, final)
         plot_losses(metrics.path, out_dir / "loss.png")
         # a sharded forward needs every rank: the main process alone samples and evaluates an unsharded copy
@@ -279,12 +280,12 @@ def run(cfg: Config, accelerator, resume, stop: StopOnSignal, started: float) ->
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The command line: bad input is one line on stderr and exit status 1 (anything else is a bug and keeps its
+    """The command line: bad input (and a full disk) is one line on stderr and exit status 1 (anything else is a bug and keeps its
     traceback); a SIGTERM / SIGINT one line and 128 + the signal's number; `--help` prints every key and exits."""
     keep_freed_memory()  # large activations reused, not faulted in again each step (docs/training.md)
     try:
         main(argv)
-    except (TrainingInputError, DataError) as err:
+    except (TrainingInputError, DataError, DiskFullError) as err:
         sys.stderr.write(f"error: {err}\n")  # one write: the lines of a launch's processes never interleave
         return 1
     except Stopped as stopped:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from bilinear_lm.modeling import dispatch
+from bilinear_lm.modeling.transformers_compat import CACHE_NAME, returned_cache
 from speed import SIZES, VOCAB, build
 
 VARIANTS = {  # name: (GEMV, compiled state step)
@@ -41,9 +42,9 @@ def ms_per_token(model, cache, token, new_tokens: int) -> float:
     times = []
     for _ in range(new_tokens):
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = model(token, **{CACHE_NAME: cache}, use_cache=True)
         times.append(time.perf_counter() - start)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
     return sorted(times)[len(times) // 2] * 1e3
 
 
@@ -69,7 +70,7 @@ def main(argv=None):
         for _ in range(args.reps):
             for name, (gemv, step) in VARIANTS.items():
                 with variant(model, gemv, step):
-                    cache = copy.deepcopy(out.past_key_values)
+                    cache = copy.deepcopy(returned_cache(out))
                     results[name].append(ms_per_token(model, cache, out.logits[:, -1:].argmax(-1), args.new_tokens))
         for name, values in results.items():
             lines.append(f"| {size} | {name} | {' / '.join(f'{v:.2f}' for v in values)} | {min(values):.2f} |")

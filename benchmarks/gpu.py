@@ -29,6 +29,7 @@ import yaml
 
 from bilinear_lm.baselines import build_model
 from bilinear_lm.modeling.dispatch import cp_recurrence
+from bilinear_lm.modeling.transformers_compat import CACHE_NAME, returned_cache
 
 PRESET = Path(__file__).resolve().parents[1] / "bilinear_lm" / "configs" / "125m.yaml"
 VOCAB = 50257
@@ -121,17 +122,17 @@ def part_decode(args) -> str:
             ids = torch.randint(0, VOCAB, (1, context), device="cuda")
             cache = None
             for start in range(0, context, 4096):  # chunked prefill keeps attention memory bounded
-                out = model(ids[:, start:start + 4096], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = model(ids[:, start:start + 4096], **{CACHE_NAME: cache}, use_cache=True)
+                cache = returned_cache(out)
             token = out.logits[:, -1:].argmax(-1)
             times = []
             for _ in range(args.new_tokens):
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                out = model(token, past_key_values=cache, use_cache=True)
+                out = model(token, **{CACHE_NAME: cache}, use_cache=True)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
             lines.append(f"| {name} | {context} | {sorted(times)[len(times) // 2] * 1e3:.2f} |")
             print("  " + lines[-1], flush=True)
         del model

@@ -57,6 +57,7 @@ from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
 from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 from bilinear_lm.modeling.dispatch import cp_recurrence
+from bilinear_lm.modeling.transformers_compat import CACHE_NAME, returned_cache
 from bilinear_lm.utils import keep_freed_memory
 
 VOCAB = 256  # byte-level: the parameters sit in the blocks being compared
@@ -290,8 +291,8 @@ def prefill(model, ids, chunk: int, cache=None):
     seconds)``."""
     start = time.perf_counter()
     for begin in range(0, ids.shape[1], chunk):
-        out = model(ids[:, begin:begin + chunk], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(ids[:, begin:begin + chunk], **{CACHE_NAME: cache}, use_cache=True)
+        cache = returned_cache(out)
     return cache, out.logits[:, -1:].argmax(-1), time.perf_counter() - start
 
 
@@ -302,7 +303,7 @@ def step_times(step, cache, token, steps: int, inputs=dict):
     for _ in range(steps):
         kwargs = inputs()
         start = time.perf_counter()
-        out = step(token, past_key_values=cache, use_cache=True, **kwargs)
+        out = step(token, **{CACHE_NAME: cache}, use_cache=True, **kwargs)
         times.append(time.perf_counter() - start)
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
@@ -396,9 +397,9 @@ def part_compiled(args):
                     return {**mask, "position_ids": torch.tensor([[next(position)]])}
 
                 with torch.no_grad():
-                    eager_logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+                    eager_logits = model(token, **{CACHE_NAME: cache}, use_cache=True).logits[:, -1]
                     start = time.perf_counter()
-                    compiled_logits = compiled(token, past_key_values=static, use_cache=True, **inputs()).logits[:, -1]
+                    compiled_logits = compiled(token, **{CACHE_NAME: static}, use_cache=True, **inputs()).logits[:, -1]
                     first = time.perf_counter() - start  # compiles
                 difference = (eager_logits - compiled_logits).abs().max().item()
                 eager_token, compiled_token = eager_logits.argmax(-1, keepdim=True), compiled_logits.argmax(-1, True)

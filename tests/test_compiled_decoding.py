@@ -14,6 +14,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling import BilinearStaticCache
 from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
+from bilinear_lm.modeling.transformers_compat import returned_cache
 from fixtures import cached_tokenizer
 
 STEPS = 8
@@ -100,7 +101,7 @@ def test_static_generate_runs_one_compiled_step_equal_to_eager_and_to_full_forwa
     eager = model.generate(ids, **kwargs)
     assert graphs() == before  # the default generate() stays eager
     compiled = model.generate(ids, cache_implementation="static", **kwargs)
-    assert isinstance(compiled.past_key_values, BilinearStaticCache) and graphs() == before + 1
+    assert isinstance(returned_cache(compiled), BilinearStaticCache) and graphs() == before + 1
     assert torch.equal(compiled.sequences, eager.sequences)
     for got, expected in zip(compiled.logits, eager.logits):  # generate keeps fp32 copies
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

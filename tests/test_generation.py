@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
+from bilinear_lm.modeling.transformers_compat import returned_cache
 
 PAD = 0
 
@@ -76,8 +77,8 @@ def test_teacher_forced_scores_equal_full_forward_logits(model):
         full = model(out.sequences).logits
     for step, logits in enumerate(out.logits):
         torch.testing.assert_close(logits.double(), full[:, prompt.shape[1] - 1 + step], rtol=1e-6, atol=1e-6)
-    assert isinstance(out.past_key_values, BilinearCache)
-    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    assert isinstance(returned_cache(out), BilinearCache)
+    assert returned_cache(out).get_seq_length() == out.sequences.shape[1] - 1
 
 
 def test_prefill_then_cached_steps_equal_full_forward(model):
@@ -86,9 +87,9 @@ def test_prefill_then_cached_steps_equal_full_forward(model):
         full = model(ids).logits
         out = model(ids[:, :17], use_cache=True)
         pieces = [out.logits]
-        cache = out.past_key_values
+        cache = returned_cache(out)
         for t in range(17, 30):
-            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            step = model(ids[:, t:t + 1], cache=cache, use_cache=True)
             pieces.append(step.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
 
@@ -170,3 +171,35 @@ def remote_code_run(tmp_path_factory):
 def test_remote_code_loads_without_the_package(remote_code_run):
     out, err = remote_code_run.communicate(timeout=300)
     assert remote_code_run.returncode == 0 and out == "ok pure\nok hybrid\n", err[-3000:]
+
+
+def test_the_cache_is_taken_by_either_name_and_nothing_of_ours_warns(model, monkeypatch):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` and warns where the old name is used (a
+    FutureWarning from its decorator, a logged warning from the outputs' old field). The model, ``generate`` (greedy,
+    beam search) and reading the returned cache use the installed version's name: nothing warns. A user's
+    ``past_key_values`` is still taken (5.23's name; deprecated on 5.24, as transformers' own models say)."""
+    import logging
+    import warnings
+
+    from bilinear_lm.modeling.transformers_compat import CACHE_NAME
+
+    said = []
+    monkeypatch.setattr(logging.Logger, "warning_once", lambda self, message, *args, **kwargs: said.append(message))
+    ids = torch.randint(1, model.config.vocab_size, (2, 9))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        assert isinstance(returned_cache(out), BilinearCache)
+        model.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
+        cache = returned_cache(model(ids[:, :5], use_cache=True))
+        expected = model(ids[:, 5:], cache=cache).logits
+    said += [str(warning.message) for warning in caught]
+    assert not [message for message in said if "past_key_values" in str(message)], said
+    with torch.no_grad():
+        cache = returned_cache(model(ids[:, :5], use_cache=True))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old_name = model(ids[:, 5:], past_key_values=cache).logits
+    assert torch.equal(old_name, expected)
+    warned = any("`past_key_values` is deprecated" in str(warning.message) for warning in caught)
+    assert warned == (CACHE_NAME == "cache")

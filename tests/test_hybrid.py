@@ -11,6 +11,7 @@ from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
 from bilinear_lm.evaluation import perplexity as ppl
 from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 from bilinear_lm.modeling.modeling_bilinear import BilinearLayerCache
+from bilinear_lm.modeling.transformers_compat import returned_cache
 
 EOS = 3
 WINDOW = 3
@@ -47,7 +48,7 @@ def test_the_cache_is_transformers_dynamic_cache_with_one_layer_type_per_layer(t
     model = build(hybrid_config(tiny_bilinear_config))
     ids = torch.randint(4, 60, (2, 8))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = returned_cache(model(ids, use_cache=True))
     assert isinstance(cache, BilinearCache)
     assert [type(layer) for layer in cache.layers] == [BilinearLayerCache, DynamicLayer, DynamicSlidingWindowLayer,
                                                        BilinearLayerCache]
@@ -64,8 +65,8 @@ def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_w
         full = model(ids, attention_mask=mask).logits
         cache, steps = None, []
         for t in range(ids.shape[1]):
-            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+            cache = returned_cache(out)
             steps.append(out.logits)
         alone = [model(row[m.bool()][None]).logits[0] for row, m in zip(ids, mask)]  # each row without padding
     stepped = torch.cat(steps, 1)
@@ -224,10 +225,10 @@ def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config):
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :7], use_cache=True)  # ends on row 0's first EOS
-        pieces, cache = [out.logits], out.past_key_values
+        pieces, cache = [out.logits], returned_cache(out)
         assert cache.follows_eos.tolist() == [True, bool(ids[1, 6] == EOS)]
         for t in range(7, ids.shape[1]):
-            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            pieces.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
 
 
@@ -235,9 +236,9 @@ def test_a_short_mask_after_cached_tokens_is_refused_with_attention_layers(tiny_
     model = build(hybrid_config(tiny_bilinear_config))
     ids = torch.randint(4, 60, (2, 6))
     with torch.no_grad():
-        cache = model(ids[:, :5], use_cache=True).past_key_values
+        cache = returned_cache(model(ids[:, :5], use_cache=True))
         with pytest.raises(ValueError, match=r"pass a mask of shape \[2, 6\] \(the whole sequence's"):
-            model(ids[:, 5:], attention_mask=torch.ones(2, 1), past_key_values=cache)
+            model(ids[:, 5:], attention_mask=torch.ones(2, 1), cache=cache)
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -238,3 +238,33 @@ def test_a_compiled_steps_projection_calls_the_gemv_op_exactly_where_chosen(gemv
     assert ("small_batch_linear" in calls) == gemv
     calls.clear()
     assert compiled(x).requires_grad and not calls  # gradients: Inductor's product (a recompile)
+
+
+def test_a_compile_interrupted_earlier_costs_the_next_run_seconds_not_forever(tmp_path):
+    """A compile killed mid-way (Ctrl-C, a kill, out of memory) leaves torch's ``lock`` file in the build folder, and
+    torch before 2.14 waits for as long as it exists. Here: a fresh ``TORCH_EXTENSIONS_DIR`` holding a copy of the
+    built kernels and an hour-old lock; a new process loads the kernels within a minute (it hung forever before),
+    saying on one line, on such a torch, which lock it removed and how old it was."""
+    import re
+    import shutil
+    import time
+
+    from torch.utils import cpp_extension
+
+    if cpu.load() is None:
+        pytest.skip("the C++ kernels do not build on this machine")
+    name = cpu.build_name()
+    shutil.copytree(cpp_extension._get_build_directory(name, False), tmp_path / name)
+    lock = tmp_path / name / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    started = time.time()
+    run = subprocess.run([sys.executable, "-c", "import bilinear_lm.kernels.cpu as cpu; assert cpu.load() is not None"],
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert time.time() - started < 60
+    if hasattr(cpp_extension, "FileBaton"):  # torch < 2.14: the lock that would have hung
+        assert re.search(rf"bilinear-lm: removed a stale build lock {re.escape(str(lock))} \(36\d\d s old", run.stderr), \
+            run.stderr
+    assert "compiling" not in run.stderr  # the copied build is used as it is

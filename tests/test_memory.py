@@ -15,6 +15,7 @@ from bilinear_lm.modeling import delta_rule, modeling_bilinear
 from bilinear_lm.modeling.delta_rule import chunk_delta_rule
 from bilinear_lm.modeling.dispatch import memory_recurrence
 from bilinear_lm.modeling.recurrence import reference_delta_rule
+from bilinear_lm.modeling.transformers_compat import returned_cache
 
 MEMORY = {"memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3}
 
@@ -107,13 +108,13 @@ def test_memory_heads_are_scale_invariant():
         for other in logits[1:]:
             torch.testing.assert_close(other, logits[0], rtol=1e-12, atol=1e-12)
         model = build()
-        cache = model(ids[:, :10], use_cache=True).past_key_values
-        expected = model(ids[:, 10:], past_key_values=copy.deepcopy(cache)).logits
+        cache = returned_cache(model(ids[:, :10], use_cache=True))
+        expected = model(ids[:, 10:], cache=copy.deepcopy(cache)).logits
         for layer in cache.layers:
             scale = torch.tensor([1e-20, 3e15], dtype=torch.float64)
             layer.recurrent_states[1] = layer.recurrent_states[1] * scale[:, None, None, None]
             layer.recurrent_states[2] = layer.recurrent_states[2] * scale[:, None]
-        torch.testing.assert_close(model(ids[:, 10:], past_key_values=cache).logits, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(model(ids[:, 10:], cache=cache).logits, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_decoding_left_padding_and_resets_give_the_full_forward():
@@ -125,10 +126,10 @@ def test_decoding_left_padding_and_resets_give_the_full_forward():
     with torch.no_grad():
         full = model(ids).logits
         cache = BilinearCache(model.config)
-        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(30)], dim=1)
+        steps = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(30)], dim=1)
         cache = BilinearCache(model.config)
-        split = torch.cat([model(ids[:, :13], past_key_values=cache).logits,
-                           model(ids[:, 13:], past_key_values=cache).logits], dim=1)
+        split = torch.cat([model(ids[:, :13], cache=cache).logits,
+                           model(ids[:, 13:], cache=cache).logits], dim=1)
         padded = torch.cat([torch.zeros(1, 7, dtype=torch.long), ids[1:, :23]], dim=1)
         mask = torch.ones_like(padded)
         mask[:, :7] = 0

@@ -7,7 +7,9 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM, BilinearModel
+from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES
 from bilinear_lm.modeling.modeling_bilinear import BilinearCausalLMOutput, BilinearModelOutput
+from bilinear_lm.modeling.transformers_compat import returned_cache
 
 
 def build(config, dtype=torch.float32, seed=0):
@@ -45,12 +47,12 @@ def test_state_rescaling_is_invisible(tiny_bilinear_config):
     ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 20))
     with torch.no_grad():
         out = model(ids[:, :10], use_cache=True)
-        reference = model(ids[:, 10:], past_key_values=copy.deepcopy(out.past_key_values)).logits
-        cache = out.past_key_values
+        reference = model(ids[:, 10:], cache=copy.deepcopy(returned_cache(out))).logits
+        cache = returned_cache(out)
         for layer in cache.layers:
             layer.recurrent_states[0] = layer.recurrent_states[0] * torch.tensor([1e-20, 3e15], dtype=torch.float64)[
                 :, None, None]
-        rescaled = model(ids[:, 10:], past_key_values=cache).logits
+        rescaled = model(ids[:, 10:], cache=cache).logits
     torch.testing.assert_close(rescaled, reference, rtol=1e-12, atol=1e-12)
 
 
@@ -75,7 +77,7 @@ def test_100k_token_forward_stays_finite(tiny_bilinear_config, autocast):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(ids, use_cache=True)
     assert torch.isfinite(out.logits.float()).all()
-    states = [layer.recurrent_states[0] for layer in out.past_key_values.layers]
+    states = [layer.recurrent_states[0] for layer in returned_cache(out).layers]
     assert all(torch.isfinite(s).all() and s.norm(dim=-1).max() < 1e30 for s in states)
 
 
@@ -105,6 +107,37 @@ def test_every_recurrence_impl_gives_the_reference_model_gradients(tiny_bilinear
     for other in grads[1:]:
         for name in grads[0]:
             torch.testing.assert_close(other[name], grads[0][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+# Every layout with the CP transition, and the other transitions in the pure layout: each parameter must learn.
+TRAINING_LAYOUTS = {"pure": {}, "conv": {"conv_width": 3},
+                    "memory": {"conv_width": 3, "memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3},
+                    "hybrid": {"layer_types": ["bilinear", "full_attention"], "conv_width": 3},
+                    **{mixer: {"mixer_type": mixer, "state_size": 6} for mixer in MIXER_TYPES if mixer != "cp"}}
+
+
+def _impl_runs_here(impl: str) -> bool:
+    from bilinear_lm.modeling import dispatch
+
+    if impl == "cpp":
+        return dispatch.cpu_kernels_available()
+    return impl != "triton" or dispatch._triton_available("cpu")
+
+
+@pytest.mark.parametrize("layout, impl", [(layout, impl) for layout in TRAINING_LAYOUTS
+                                          for impl in (("reference",) if layout in MIXER_TYPES
+                                                       else ("reference", "torch", "cpp", "triton"))])
+def test_one_training_step_gives_every_parameter_a_nonzero_gradient(tiny_bilinear_config, layout, impl):
+    """A lost gradient (torch 2.14 gave the C++ scan's outputs none: the transitions never trained, silently) fails
+    here on any stack: one step's loss reaches every parameter, by every recurrence impl (a transition other than
+    CP runs the reference loop whatever the impl: one case each)."""
+    if not _impl_runs_here(impl):
+        pytest.skip(f"recurrence_impl={impl!r} does not run on this machine")
+    model = build(with_changes(tiny_bilinear_config, recurrence_impl=impl, **TRAINING_LAYOUTS[layout])).train()
+    ids = torch.randint(0, tiny_bilinear_config.vocab_size, (2, 19))
+    model(ids, labels=ids).loss.backward()
+    without = [name for name, p in model.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    assert not without, f"no gradient for {without}"
 
 
 def test_gradient_checkpointing_gives_same_gradients(tiny_bilinear_config):
@@ -299,7 +332,7 @@ def test_return_dict_false_returns_the_outputs_to_tuple(tiny_bilinear_config, ho
     assert type(lm_tuple) is tuple and type(base_tuple) is tuple
     assert len(lm_tuple) == 4 and len(base_tuple) == 3  # no cache (use_cache=False), no attentions
     for got, expected in [(lm_tuple, (lm.loss, lm.logits, lm.hidden_states, lm.mixer_states)),
-                          (base_tuple, (base.last_hidden_state, base.past_key_values, base.hidden_states))]:
+                          (base_tuple, (base.last_hidden_state, returned_cache(base), base.hidden_states))]:
         for a, b in zip(got, expected):
             if isinstance(b, BilinearCache):
                 assert isinstance(a, BilinearCache) and a.get_seq_length() == b.get_seq_length()
@@ -337,15 +370,15 @@ def test_an_attention_mask_that_does_not_fit_the_inputs_is_a_clear_error(tiny_bi
                                              r"shape \[2, 5\]$"):
             model(ids, attention_mask=mask, use_cache=False)
     def cache():
-        return model(ids, attention_mask=torch.ones(2, 5), use_cache=True).past_key_values
+        return returned_cache(model(ids, attention_mask=torch.ones(2, 5), use_cache=True))
 
     step = ids[:, :1]
     with pytest.raises(ValueError, match=r"of shape \(2, 4\) does not fit the inputs' \[batch, seq_len\] = \[2, 1\] "
                                          r"after 5 cached tokens: pass a mask of shape \[2, 1\] or \[2, 6\]"):
-        model(step, attention_mask=torch.ones(2, 4), past_key_values=cache())
+        model(step, attention_mask=torch.ones(2, 4), cache=cache())
     # the whole sequence's mask, as generate() passes it, and this call's columns alone are the same call
-    whole = model(step, attention_mask=torch.ones(2, 6), past_key_values=cache()).logits
-    assert torch.equal(whole, model(step, attention_mask=torch.ones(2, 1), past_key_values=cache()).logits)
+    whole = model(step, attention_mask=torch.ones(2, 6), cache=cache()).logits
+    assert torch.equal(whole, model(step, attention_mask=torch.ones(2, 1), cache=cache()).logits)
     padded = torch.ones(2, 5, dtype=torch.long)
     padded[0, :2] = 0  # left padding, through generate()
     assert model.generate(ids, attention_mask=padded, max_new_tokens=3, do_sample=False).shape == (2, 8)
@@ -424,10 +457,10 @@ def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config, changes)
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :7], use_cache=True)  # ends on row 0's first EOS
-        pieces, cache = [out.logits], out.past_key_values
+        pieces, cache = [out.logits], returned_cache(out)
         assert cache.follows_eos.tolist() == [True, bool(ids[1, 6] == EOS)]
         for t in range(7, ids.shape[1]):
-            pieces.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            pieces.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
 
 

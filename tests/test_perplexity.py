@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bilinear_lm.evaluation import perplexity as ppl
+from bilinear_lm.modeling.transformers_compat import returned_cache
 from fixtures import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
 MODEL_TYPES = ["llama", "bilinear"]
@@ -119,7 +120,7 @@ def test_rolling_windows_match_per_token_brute_force(model_type, tokenizer, ids)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("segment_len", [1, 7, 64, 10_000])
 def test_streaming_state_equals_full_forward(model_type, segment_len, tokenizer, ids):
-    """Carrying past_key_values across segments is exact. For the recurrent model this is the O(1)
+    """Carrying the cache across segments is exact. For the recurrent model this is the O(1)
     state; llama only passes with allow_kv_cache (its KV cache is exact but grows)."""
     model = get_model(model_type, len(tokenizer))
     x = ids[:60] if segment_len == 1 else ids
@@ -133,7 +134,7 @@ def test_bilinear_cache_is_recurrent(tokenizer, ids):
     model = get_model("bilinear", len(tokenizer))
     with torch.no_grad():
         out = model(input_ids=ids[:10].unsqueeze(0), use_cache=True)
-    assert ppl.cache_kind(model, out.past_key_values) == "recurrent"
+    assert ppl.cache_kind(model, returned_cache(out)) == "recurrent"
 
 
 def test_streaming_rejects_attention_model(tokenizer, ids):

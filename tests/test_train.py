@@ -771,3 +771,58 @@ def test_a_nan_gradient_under_a_finite_loss_stops_before_the_update_and_before_a
                      r"stops here; the last checkpoint, .*step_2, is from before it", err), err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
     assert all(torch.isfinite(t).all() for t in load_file(out / "checkpoints/step_2/model.safetensors").values())
+
+
+def _no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_complete_checkpoint_resumes(small_text, tmp_path,
+                                                                                         capsys, monkeypatch):
+    """The second checkpoint's save writes its files, then fails as a full disk does (ENOSPC): train.py stops with
+    one line (the folder, the sizes, the resume command), the partial folder is gone, the first checkpoint stays
+    complete, and resuming from 'latest' after that finishes the run from it."""
+    import accelerate
+
+    import train
+
+    save_state, calls = accelerate.Accelerator.save_state, []
+
+    def fills_the_disk(self, output_dir=None, **kwargs):
+        calls.append(output_dir)
+        save_state(self, output_dir, **kwargs)
+        if len(calls) == 2:
+            _no_space()
+
+    monkeypatch.setattr(accelerate.Accelerator, "save_state", fills_the_disk)
+    out = tmp_path / "out"
+    args = tiny_args(small_text, out, max_steps=6, save_interval=2, log_interval=5, eval_interval=0, sample_tokens=0)
+    assert train.cli(args) == 1
+    err = capsys.readouterr().err
+    first = out / "checkpoints" / "step_2"
+    line = re.search(rf"error: no space left in {re.escape(str(out))} to save checkpoint step_4: a checkpoint takes "
+                     rf"about [\d.]+ MB, [\d.]+ MB are free there; free some space, then run the same command with "
+                     rf"--resume_from_checkpoint latest \(it continues from {re.escape(str(first))}\)\n", err)
+    assert line and err.count("error:") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # .tmp_step_4 removed
+    monkeypatch.setattr(accelerate.Accelerator, "save_state", save_state)
+    assert train.main(args + ["--resume_from_checkpoint", "latest"])["step"] == 6
+    assert f"resumed from {first} at step 2" in capsys.readouterr().out
+
+
+def test_a_full_disk_at_the_final_save_is_one_line_naming_the_last_checkpoint(small_text, tmp_path, capsys,
+                                                                             monkeypatch):
+    from transformers import PreTrainedModel
+
+    import train
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", _no_space)
+    out = tmp_path / "out"
+    assert train.cli(tiny_args(small_text, out, max_steps=4, save_interval=4, log_interval=5, eval_interval=0,
+                               sample_tokens=0)) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"error: no space left in {re.escape(str(out))} to save the final model: .* run the same "
+                     rf"command with --resume_from_checkpoint latest \(it continues from "
+                     rf"{re.escape(str(out / 'checkpoints' / 'step_4'))}\)\n", err) and err.count("error:") == 1, err

@@ -3,7 +3,7 @@
 Three protocols, importable (each returns ``(total_nll, n_tokens)``):
 
 * ``streaming`` (recurrent models): feed the text in segments of ``segment_len`` tokens and carry
-  the recurrent state across segments (``past_key_values=out.past_key_values, use_cache=True``).
+  the recurrent state across segments (the returned cache passed back, ``use_cache=True``).
   Every token is conditioned on the entire preceding text; memory is O(1) in the text length.
 * ``strided`` (any causal LM, the protocol of the HF "Perplexity of fixed-length models" guide):
   windows of ``max_length`` tokens advanced by ``stride``; only the tokens not scored by an earlier
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..modeling.modeling_bilinear import check_token_ids
+from ..modeling.transformers_compat import CACHE_NAME, returned_cache
 from ..utils import eval_mode
 
 __all__ = [
@@ -101,7 +102,7 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def cache_kind(model, cache) -> str:
-    """Classify a returned ``past_key_values``: "none", "kv" (grows with the context: full attention, also a hybrid's
+    """Classify a returned cache: "none", "kv" (grows with the context: full attention, also a hybrid's
     full-attention layers) or "recurrent" (fixed-size: recurrent states, sliding-window attention)."""
     if cache is None:
         return "none"
@@ -186,15 +187,15 @@ def _streaming(model, ids, segment_len: int, allow_kv_cache: bool) -> list[torch
             end = min(start + segment_len, n_in)
             kwargs = {"use_cache": True}
             if past is not None:
-                kwargs["past_key_values"] = past
+                kwargs[CACHE_NAME] = past
             out = model(input_ids=ids[start:end].unsqueeze(0), **kwargs)
             nlls.append(_nll(out.logits[0], ids[start + 1 : end + 1]))
-            past = getattr(out, "past_key_values", None)
+            past = returned_cache(out)
             if end < n_in:
                 kind = cache_kind(model, past)
                 if kind == "none":
                     raise ValueError(
-                        f"{type(model).__name__} returned no past_key_values, so its state cannot be carried "
+                        f"{type(model).__name__} returned no cache, so its state cannot be carried "
                         "across segments; use --mode strided (strided_perplexity) for this model")
                 if kind == "kv" and not allow_kv_cache:
                     raise ValueError(

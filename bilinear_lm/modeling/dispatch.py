@@ -165,7 +165,9 @@ def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Ten
             offset: int, restart: torch.Tensor, p_start: torch.Tensor,
             impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rank-space scan ``(G, P, S)`` of ``scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
-    return _scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start)
+    # A tuple, as the schema says: the C++ function returns a list, and torch 2.14 attaches no autograd to a list
+    # (the outputs had no grad_fn: W2, factor_bias and h_start never trained).
+    return tuple(_scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start))
 
 
 @cp_scan.register_fake

@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_bilinear import BilinearConfig
 from .dispatch import linear, memory_recurrence, rms_norm, state_norm, swiglu
+from .transformers_compat import CACHE_NAME, returned_cache, takes_cache
 from .transitions import TRANSITIONS, Transition
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -218,8 +219,8 @@ def cache_layer_tensors(layer) -> list[torch.Tensor]:
 class BilinearCache(BilinearCacheMixin, DynamicCache):
     """transformers' ``DynamicCache`` built from ``config.layer_types``: a :class:`BilinearLayerCache` per bilinear
     layer, ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` per attention layer (O(1) memory in sequence length
-    without full attention), plus the model's own state (:class:`BilinearCacheMixin`). ``generate()`` receives it as
-    ``past_key_values``; beam search reorders it in place."""
+    without full attention), plus the model's own state (:class:`BilinearCacheMixin`). ``generate()`` passes it as
+    ``cache`` (``past_key_values`` before transformers 5.24); beam search reorders it in place."""
 
     def __init__(self, config: BilinearConfig):
         super().__init__(config=config)
@@ -806,26 +807,29 @@ class BilinearModel(BilinearPreTrainedModel):
         if isinstance(cache, BilinearStaticCache):  # the padding of every position so far is in the cache
             mask = None if attention_mask is None else attention_mask[:, -inputs_embeds.shape[1]:]
             attention_mask, same_document = None, cache.visible_keys(inputs_embeds, mask, offset, same_document)
-        kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                      past_key_values=cache, position_ids=position_ids, and_mask_function=same_document)
+        kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                  CACHE_NAME: cache, "position_ids": position_ids, "and_mask_function": same_document}
         make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {kind: make[kind](**kwargs) for kind in self.attention_types}
 
+    @takes_cache
     @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: BilinearCache | None = None,
+        cache: BilinearCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_mixer_states: bool = False,
         **kwargs,
     ) -> BilinearModelOutput:
-        """``position_ids`` (``[B, T]``, the attention layers' rotary positions) default to the positions consumed
-        so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded token.
+        """``cache``: a :class:`BilinearCache` or :class:`BilinearStaticCache` (``past_key_values`` is taken too:
+        transformers 5.23's name). ``position_ids`` (``[B, T]``, the attention layers' rotary positions) default to the
+        positions consumed so far plus ``0..T-1``; ``generate()`` passes them counted from each row's first unpadded
+        token.
 
         transformers' ``capture_outputs`` wraps it: ``return_dict=False`` (or ``config.return_dict = False``) returns
         ``to_tuple()``, and ``output_attentions=True`` records the attention layers' weights, one tensor per attention
@@ -844,15 +848,15 @@ class BilinearModel(BilinearPreTrainedModel):
             else self.config.output_hidden_states
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = BilinearCache(self.config)
-        if past_key_values is not None and not isinstance(past_key_values, BilinearCacheMixin):
-            raise TypeError(f"BilinearModel.forward: past_key_values is a {type(past_key_values).__name__}; pass a "
+        if use_cache and cache is None:
+            cache = BilinearCache(self.config)
+        if cache is not None and not isinstance(cache, BilinearCacheMixin):
+            raise TypeError(f"BilinearModel.forward: cache is a {type(cache).__name__}; pass a "
                             "BilinearCache(config) or BilinearStaticCache(config, max_cache_len) (or None: the model "
                             "builds one), which hold the model's own state besides the layers'")
-        static = isinstance(past_key_values, BilinearStaticCache)
+        static = isinstance(cache, BilinearStaticCache)
         B, T = inputs_embeds.shape[:2]
-        offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        offset = cache.get_seq_length() if cache is not None else 0
         if isinstance(offset, torch.Tensor):  # a static cache's count, which its layers advance in place as they run
             offset = offset.clone()
         mask = None
@@ -869,9 +873,9 @@ class BilinearModel(BilinearPreTrainedModel):
         reset = None
         if self.config.reset_state_at_eos and input_ids is not None:
             reset, follows_eos = document_starts(
-                input_ids, self.config.eos_token_id, mask, None if past_key_values is None else past_key_values.follows_eos)
-            if past_key_values is not None:
-                past_key_values.carry("follows_eos", follows_eos)
+                input_ids, self.config.eos_token_id, mask, None if cache is None else cache.follows_eos)
+            if cache is not None:
+                cache.carry("follows_eos", follows_eos)
 
         if self.attention_types:
             positions = torch.arange(T, device=inputs_embeds.device) + offset
@@ -879,12 +883,12 @@ class BilinearModel(BilinearPreTrainedModel):
                 position_ids = positions.expand(B, T)
             document_start = None
             if reset is not None:
-                carried = past_key_values.document_start if past_key_values is not None \
-                    and past_key_values.document_start is not None else reset.new_zeros(B, dtype=torch.long)
+                carried = cache.document_start if cache is not None \
+                    and cache.document_start is not None else reset.new_zeros(B, dtype=torch.long)
                 document_start = torch.maximum(torch.where(reset, positions, -1).cummax(dim=1).values, carried[:, None])
-                if past_key_values is not None:
-                    past_key_values.carry("document_start", document_start[:, -1])
-            masks = self.attention_masks(inputs_embeds, attention_mask, past_key_values, position_ids, document_start,
+                if cache is not None:
+                    cache.carry("document_start", document_start[:, -1])
+            masks = self.attention_masks(inputs_embeds, attention_mask, cache, position_ids, document_start,
                                          offset)
             position_embeddings = (None if self.rotary_emb is None  # use_rope=False
                                    else self.rotary_emb(inputs_embeds, position_ids))
@@ -895,13 +899,13 @@ class BilinearModel(BilinearPreTrainedModel):
         all_memory_reads = () if output_mixer_states and self.config.memory_heads else None
         for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
             if kind == "bilinear":
-                hidden_states, states, read = layer(hidden_states, past_key_values, mask, offset, reset)
+                hidden_states, states, read = layer(hidden_states, cache, mask, offset, reset)
                 if output_mixer_states:
                     all_mixer_states += (states,)
                 if all_memory_reads is not None:
                     all_memory_reads += (read,)
             else:
-                hidden_states = layer(hidden_states, position_embeddings, masks[kind], past_key_values, mask, reset,
+                hidden_states = layer(hidden_states, position_embeddings, masks[kind], cache, mask, reset,
                                       **kwargs)
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
@@ -910,7 +914,7 @@ class BilinearModel(BilinearPreTrainedModel):
             all_hidden_states += (hidden_states,)
         return BilinearModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **{CACHE_NAME: cache if use_cache else None},
             hidden_states=all_hidden_states,
             mixer_states=all_mixer_states,
             memory_reads=all_memory_reads,
@@ -944,7 +948,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         step); otherwise transformers' own preparation, which builds no cache for this model
         (``_supports_default_dynamic_cache``: the model builds its :class:`BilinearCache` on the first call)."""
         if generation_config.cache_implementation != "static" or generation_config.use_cache is False \
-                or model_kwargs.get("past_key_values") is not None:
+                or model_kwargs.get(CACHE_NAME) is not None:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                          max_cache_length)
         if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
@@ -955,20 +959,32 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         max_cache_length = max(max_cache_length, generation_config.max_cache_len or 0,
                                getattr(self, "_previous_max_cache_length", 0))
         self._previous_max_cache_length = max_cache_length
-        model_kwargs["past_key_values"] = BilinearStaticCache(self.config, max_cache_len=max_cache_length)
+        model_kwargs[CACHE_NAME] = BilinearStaticCache(self.config, max_cache_len=max_cache_length)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, **kwargs):
-        """What ``generate()`` passes as ``attention_mask`` with a compileable cache, where transformers would build the
-        attention layers' 4D masks outside the compiled step: the 2D mask's columns of this call, a fixed shape. The
-        model builds its masks in the step (:meth:`BilinearModel.attention_masks`), the cache holding the earlier
-        positions' padding."""
-        return None if attention_mask is None else attention_mask[:, -inputs_embeds.shape[1]:]
+        """What transformers calls to build the attention layers' 4D masks outside a compiled step: here the 2D mask
+        unchanged. The model builds its masks in the step (:meth:`BilinearModel.attention_masks`), the cache holding
+        the earlier positions' padding; :meth:`prepare_inputs_for_generation` keeps this call's columns."""
+        return attention_mask
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """transformers' preparation, then, with a :class:`BilinearStaticCache`, the 2D attention mask cut to this
+        call's columns: a compiled step's inputs keep one shape (the whole mask grows by a column a token, and each
+        new shape compiled the step again). transformers 5.23 cut it through :meth:`create_masks_for_generate`; 5.24
+        skips that hook when every layer is linear (a pure bilinear model)."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        mask = inputs.get("attention_mask")
+        if isinstance(inputs.get(CACHE_NAME), BilinearStaticCache) and isinstance(mask, torch.Tensor) \
+                and mask.dim() == 2:
+            new = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+            inputs["attention_mask"] = mask[:, -new.shape[1]:].contiguous()  # one stride too
+        return inputs
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """transformers' criteria (a compileable cache that is not a plain ``DynamicCache``, no ``disable_compile``,
         no quantizer or offloading), on CPU too for a :class:`BilinearStaticCache`: transformers compiles on
         accelerators only."""
-        if isinstance(model_kwargs.get("past_key_values"), BilinearStaticCache) and self.device.type == "cpu":
+        if isinstance(model_kwargs.get(CACHE_NAME), BilinearStaticCache) and self.device.type == "cpu":
             generation_config = copy.copy(generation_config)
             generation_config.compile_config = copy.copy(generation_config.compile_config
                                                          or self._default_compile_config())
@@ -983,13 +999,14 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             return CompileConfig(fullgraph=True, dynamic=False, mode="default")
         return CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
 
+    @takes_cache
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: BilinearCache | None = None,
+        cache: BilinearCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -1005,7 +1022,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -1024,7 +1041,7 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
         return BilinearCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: returned_cache(outputs)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             mixer_states=outputs.mixer_states,

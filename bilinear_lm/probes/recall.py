@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..baselines import LSTMLanguageModel, build_model, optimizer_groups
 from ..modeling.modeling_bilinear import cache_layer_tensors
+from ..modeling.transformers_compat import returned_cache
 from ..utils import eval_mode
 from .config import option
 
@@ -191,7 +192,7 @@ def state_floats(model, seq_len: int) -> float:
         return 2.0 * model.config.hidden_size
     device = next(model.parameters()).device
     with eval_mode(model):
-        cache = model(torch.ones(1, seq_len, dtype=torch.long, device=device), use_cache=True).past_key_values
+        cache = returned_cache(model(torch.ones(1, seq_len, dtype=torch.long, device=device), use_cache=True))
     tensors = list(getattr(cache, "attention_conv_windows", {}).values())
     for layer in cache.layers:
         tensors += cache_layer_tensors(layer)

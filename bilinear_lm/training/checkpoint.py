@@ -18,10 +18,12 @@ matched. The manifest catches truncation and bit rot, not tampering (whoever can
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
@@ -255,35 +257,89 @@ def load_data_state(checkpoint: Path, rank: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- save
+class DiskFullError(OSError):
+    """A save that ran out of disk space. The message is one line: the folder, about how much the save needs and
+    how much is free, and the command that resumes from the last complete checkpoint."""
+
+
+def _size(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2 ** 20:.{1 if size < 10 * 2 ** 20 else 0}f} MB"
+
+
+def _out_of_space(error: BaseException, folder: Path) -> bool:
+    """ENOSPC anywhere in ``error``'s chain, or any other error of a writer (torch's says only "unexpected pos")
+    while ``folder``'s disk has less than 1 MiB free."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    try:
+        return shutil.disk_usage(folder).free < 2 ** 20
+    except OSError:
+        return False
+
+
+@contextmanager
+def disk_full_is_one_line(output_dir: str, what: str, partial: Path | None = None):
+    """Run a save; if it runs out of disk space, delete ``partial`` (what it had written: a checkpoint's temporary
+    folder) and raise :class:`DiskFullError` naming ``output_dir``, the space ``what`` needs (the last complete
+    checkpoint's size, else what was written), the space free, and how to resume (the last complete checkpoint stays
+    the resume point). Any other error passes unchanged."""
+    try:
+        yield
+    except Exception as error:
+        if not _out_of_space(error, Path(output_dir)):
+            raise
+        written = _size(partial)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        last = latest_checkpoint(output_dir, warn=lambda _: None)[0]
+        need = f"about {_mb(_size(last))}" if last is not None else f"over {_mb(written)}"
+        free = _mb(shutil.disk_usage(output_dir).free)
+        then = (f"run the same command with --resume_from_checkpoint latest (it continues from {last})" if last
+                else "run the same command again (no checkpoint was complete: it starts over)")
+        raise DiskFullError(f"no space left in {output_dir} to save {what}: a checkpoint takes {need}, {free} are "
+                            f"free there; free some space, then {then}") from None
+
+
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, tokenizer, cfg: Config | None = None,
                     total_limit: int = 0, data_state: dict | None = None) -> Path:
     """accelerator.save_state into a temporary directory, the tokenizer, TrainState and config next to it (and each
     rank's `data_state`, its position in a streamed dataset), the manifest, the marker written last, then an atomic
     rename to OUTPUT_DIR/checkpoints/step_N; then keep only the newest `total_limit` complete checkpoints (0: all).
-    Every process calls it; returns OUTPUT_DIR/checkpoints/step_N."""
+    Every process calls it; returns OUTPUT_DIR/checkpoints/step_N. Out of disk space: DiskFullError, the temporary
+    directory deleted (`disk_full_is_one_line`)."""
     final = Path(output_dir) / "checkpoints" / f"step_{state.step}"
     tmp = final.with_name(f".tmp_step_{state.step}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    hook = accelerator.register_save_state_pre_hook(drop_tied_copies)
-    try:
-        accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
-    finally:
-        hook.remove()
-    if data_state is not None:
-        (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
-    accelerator.wait_for_everyone()
+    with disk_full_is_one_line(output_dir, f"checkpoint step_{state.step}", tmp):
+        hook = accelerator.register_save_state_pre_hook(drop_tied_copies)
+        try:
+            accelerator.save_state(str(tmp))  # model, optimizer, scheduler, RNG states of every rank
+        finally:
+            hook.remove()
+        if data_state is not None:
+            (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(tmp / "tokenizer")
+            (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+            if cfg is not None:
+                (tmp / CONFIG_FILE).write_text(json.dumps(config_record(cfg), indent=1))
+            write_manifest(tmp)
+            with open(tmp / DONE_MARKER, "w") as f:
+                f.write(f"{state.step}\n")
+                f.flush()
+                os.fsync(f.fileno())
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
-        if cfg is not None:
-            (tmp / CONFIG_FILE).write_text(json.dumps(config_record(cfg), indent=1))
-        write_manifest(tmp)
-        with open(tmp / DONE_MARKER, "w") as f:
-            f.write(f"{state.step}\n")
-            f.flush()
-            os.fsync(f.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

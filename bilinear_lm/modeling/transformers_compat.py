@@ -1,0 +1,38 @@
+"""The one place where the transformers versions the project supports (5.23 and 5.24, pyproject.toml) need different
+code: 5.24 renamed the cache argument ``past_key_values`` to ``cache`` in every model's ``forward``, in ``generate``'s
+model kwargs, in the mask builders and in the output classes' field (``past_key_values`` deprecated there, removal
+announced for 5.40). The model's code says ``cache``; this module maps it to the installed version's name.
+
+Imported by the modeling code, so it travels with it as remote code (torch and transformers only).
+"""
+
+import functools
+
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
+
+# The installed version's name of the cache, in model kwargs, mask builders' arguments and outputs' fields.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def takes_cache(forward):
+    """Wrap a ``forward(..., cache=None, ...)`` so that it also takes ``past_key_values``: the name 5.23's
+    ``generate`` passes (renamed silently there), deprecated on 5.24 (transformers' own decorator warns, as its
+    models do)."""
+    if CACHE_NAME == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def forward_taking_past_key_values(*args, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            if kwargs.get("cache") is not None:
+                raise ValueError("pass the cache once: as cache or as past_key_values, not both")
+            kwargs["cache"] = past_key_values
+        return forward(*args, **kwargs)
+
+    return forward_taking_past_key_values
+
+
+def returned_cache(outputs):
+    """The cache a model's ``forward`` (any transformers model) or ``generate`` returned, under either name."""
+    return getattr(outputs, CACHE_NAME, None)
