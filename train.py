@@ -50,9 +50,9 @@ def build_model_and_optimizer(cfg: Config, accelerator, tokenizer):
         model_cfg.update({k: v for k, v in special.items() if v is not None})
     try:  # the baselines are sized from the bilinear config, so it must be valid for every model type
         bilinear_config(model_cfg, vocab_size)
+        model = build_model(cfg.train.model_type, model_cfg, vocab_size=vocab_size)
     except (TypeError, ValueError) as err:
         raise TrainingInputError(f"--model.*: {err}") from None
-    model = build_model(cfg.train.model_type, model_cfg, vocab_size=vocab_size)
     for k, v in special.items():
         setattr(model.config, k, v)
         setattr(model.generation_config, k, v)

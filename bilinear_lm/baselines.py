@@ -1,27 +1,40 @@
-"""The one model factory: the bilinear LM, Llama, Mamba or an LSTM LM from (model_type, config dict, vocab size).
+"""The one model factory: the bilinear LM or a peer (Llama, Gated DeltaNet, Mamba2, Mamba, an LSTM LM) from
+(model_type, config dict, vocab size).
 
     model = build_model("bilinear", {"hidden_size": 128, "num_hidden_layers": 4, ...}, vocab_size=65)
     model = build_model("llama", same_dict, vocab_size=65)      # a Llama with ~ the same parameter count
+    model = build_model("gated_deltanet", {**same_dict, "allow_neg_eigval": True}, 65)   # Gated DeltaNet[-1,1]
     model = build_model("llama", {"hidden_size": 32, "num_hidden_layers": 1, ...}, 65, match_bilinear=False)
 
 By default (``match_bilinear=True``: train.py, the benchmarks) the config dict is a *bilinear* config and
 the baselines keep its depth and embedding tying and solve for the width (and the MLP width) whose *exact*
-parameter count (a meta-device instantiation, no memory) is closest to the bilinear model's. With
-``match_bilinear=False`` (the probes, the tiny test checkpoints) the dict is the model's own config:
-``LlamaConfig`` / ``MambaConfig`` keys, or ``hidden_size`` / ``num_layers`` for the LSTM.
+parameter count (a meta-device instantiation, no memory) is closest to the bilinear model's; Gated DeltaNet also
+keeps its layer layout (a bilinear ``layer_types`` with ``full_attention`` entries becomes Qwen3.5's hybrid of
+``linear_attention`` and ``full_attention`` layers). With ``match_bilinear=False`` (the probes, the tiny test
+checkpoints) the dict is the model's own config: ``LlamaConfig`` / ``Qwen3_5TextConfig`` / ``Mamba2Config`` /
+``MambaConfig`` keys, or ``hidden_size`` / ``num_layers`` for the LSTM. ``allow_neg_eigval`` (Gated DeltaNet only,
+either way) gives its [-1, 1] form.
+
+The peers are transformers' own models: Gated DeltaNet is ``Qwen3_5ForCausalLM`` (the text model of Qwen3.5, whose
+``linear_attention`` layers are Gated DeltaNet) behind :class:`GatedDeltaNetForCausalLM`, a thin adapter; Mamba2 is
+``Mamba2ForCausalLM`` as it is.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, LlamaForCausalLM,
-                          MambaConfig, MambaForCausalLM, PreTrainedConfig, PreTrainedModel)
+from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationMixin, LlamaConfig,
+                          LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM,
+                          PreTrainedConfig, PreTrainedModel, Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 from transformers.modeling_outputs import CausalLMOutput
+from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from .modeling.configuration_bilinear import swiglu_width
+from .modeling.transformers_compat import CACHE_NAME
 
-MODEL_TYPES = ("bilinear", "llama", "mamba", "lstm")
+MODEL_TYPES = ("bilinear", "llama", "gated_deltanet", "mamba2", "mamba", "lstm")
+PEER_MODEL_KEYS = {"allow_neg_eigval": bool}  # model-config keys of a peer (gated_deltanet), beside the bilinear ones
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -72,12 +85,48 @@ def _mamba_config(hidden: int, layers: int, vocab_size: int, tie: bool) -> Mamba
                        bos_token_id=None, eos_token_id=None)
 
 
+def _mamba2_config(hidden: int, heads: int, layers: int, vocab_size: int, tie: bool) -> Mamba2Config:
+    """Mamba-2 with ``2 * heads`` heads of ``hidden / heads`` (expand 2), state 64, one group, convolution 4."""
+    return Mamba2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_heads=2 * heads,
+                        head_dim=hidden // heads, expand=2, state_size=64, n_groups=1, conv_kernel=4,
+                        tie_word_embeddings=tie, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+# a bilinear layer type -> Qwen3.5's (its linear_attention layers are Gated DeltaNet)
+GATED_DELTANET_LAYER_TYPES = {"bilinear": "linear_attention", "full_attention": "full_attention"}
+
+
+def _gated_deltanet_config(hidden: int, heads: int, layer_types: list[str], vocab_size: int, tie: bool,
+                           allow_neg_eigval: bool) -> "GatedDeltaNetConfig":
+    """Gated DeltaNet layers of ``heads`` key heads of ``hidden / (2 heads)`` and value heads of ``hidden / heads``
+    (values twice the keys, as the paper's), convolution 4, the bilinear MLP's width, ``layer_types`` mapped by
+    ``GATED_DELTANET_LAYER_TYPES`` (attention: ``heads`` heads of ``hidden / heads``)."""
+    unknown = sorted(set(layer_types) - set(GATED_DELTANET_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"gated_deltanet: layer type(s) {unknown} have no Qwen3.5 counterpart; use "
+                         f"{sorted(GATED_DELTANET_LAYER_TYPES)}")
+    return GatedDeltaNetConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=swiglu_width(hidden),
+        num_hidden_layers=len(layer_types), layer_types=[GATED_DELTANET_LAYER_TYPES[t] for t in layer_types],
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=hidden // (2 * heads),
+        linear_value_head_dim=hidden // heads, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+        tie_word_embeddings=tie, allow_neg_eigval=allow_neg_eigval)
+
+
 def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_size: int):
-    """A LlamaConfig / MambaConfig with the bilinear model's depth and ~its parameter count."""
-    if model_type not in ("llama", "mamba"):
-        raise ValueError(f"matched_baseline_config: model_type must be 'llama' or 'mamba', got {model_type!r}")
+    """The config of a ``llama``, ``gated_deltanet``, ``mamba2`` or ``mamba`` model with the bilinear model's depth
+    (Gated DeltaNet: its layer layout) and ~its parameter count; ``allow_neg_eigval`` in the dict is Gated
+    DeltaNet's."""
+    if model_type not in ("llama", "gated_deltanet", "mamba2", "mamba"):
+        raise ValueError(f"matched_baseline_config: model_type must be 'llama', 'gated_deltanet', 'mamba2' or "
+                         f"'mamba', got {model_type!r}")
     from bilinear_lm import BilinearForCausalLM
 
+    bilinear_config_dict = dict(bilinear_config_dict)
+    allow_neg_eigval = bool(bilinear_config_dict.pop("allow_neg_eigval", False))
+    if allow_neg_eigval and model_type != "gated_deltanet":
+        raise ValueError(f"allow_neg_eigval is a gated_deltanet option; {model_type} has no such setting")
     bcfg = bilinear_config(bilinear_config_dict, vocab_size)
     target = _meta_count(BilinearForCausalLM, bcfg)
     layers, tie = bcfg.num_hidden_layers, bcfg.tie_word_embeddings
@@ -86,6 +135,15 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
         step = heads * 2 if heads > 1 else 2  # head_dim even for rotary embeddings
         make = lambda h: _llama_config(h, heads, layers, vocab_size, tie)  # noqa: E731
         cls = LlamaForCausalLM
+    elif model_type == "gated_deltanet":
+        step = 2 * heads  # key heads of hidden / (2 heads); attention heads even for rotary embeddings
+        make = lambda h: _gated_deltanet_config(h, heads, bcfg.layer_types, vocab_size, tie,  # noqa: E731
+                                                allow_neg_eigval)
+        cls = GatedDeltaNetForCausalLM
+    elif model_type == "mamba2":
+        step = heads
+        make = lambda h: _mamba2_config(h, heads, layers, vocab_size, tie)  # noqa: E731
+        cls = Mamba2ForCausalLM
     else:
         step = 8
         make = lambda h: _mamba_config(h, layers, vocab_size, tie)  # noqa: E731
@@ -105,10 +163,15 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
 
 
 def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_bilinear: bool = True) -> nn.Module:
-    """``bilinear`` -> BilinearForCausalLM(model_config); ``llama`` / ``mamba`` / ``lstm`` -> that model, sized to
-    match the bilinear model of ``model_config`` (``match_bilinear=True``) or built from ``model_config`` itself."""
+    """``bilinear`` -> BilinearForCausalLM(model_config); ``llama`` / ``gated_deltanet`` / ``mamba2`` / ``mamba`` /
+    ``lstm`` -> that model, sized to match the bilinear model of ``model_config`` (``match_bilinear=True``) or built
+    from ``model_config`` itself."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model_type {model_type!r}; choose one of {MODEL_TYPES}")
+    if model_type != "gated_deltanet" and "allow_neg_eigval" in model_config:
+        if model_config["allow_neg_eigval"]:
+            raise ValueError(f"allow_neg_eigval is a gated_deltanet option; {model_type} has no such setting")
+        model_config = {k: v for k, v in model_config.items() if k != "allow_neg_eigval"}
     if model_type == "bilinear":
         from bilinear_lm import BilinearForCausalLM
 
@@ -121,10 +184,97 @@ def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_b
             raise ValueError(f"lstm config: unknown key(s) {unknown}; it takes hidden_size and num_layers")
         return LSTMLanguageModel(LSTMConfig(vocab_size=vocab_size, **model_config))
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "gated_deltanet": (GatedDeltaNetConfig, GatedDeltaNetForCausalLM),
+                             "mamba2": (Mamba2Config, Mamba2ForCausalLM),
                              "mamba": (MambaConfig, MambaForCausalLM)}[model_type]
     if match_bilinear:
         return model_cls(matched_baseline_config(model_type, model_config, vocab_size))
     return model_cls(config_cls(**{**model_config, "vocab_size": vocab_size}))
+
+
+class GatedDeltaNetConfig(Qwen3_5TextConfig):
+    """``Qwen3_5TextConfig`` (its ``linear_attention`` layers are Gated DeltaNet) plus ``allow_neg_eigval``: the delta
+    rule's ``beta = 2 sigmoid(b)`` in (0, 2), so the transition ``I - beta k k^T`` has eigenvalues in (-1, 1]
+    (Gated DeltaNet[-1,1], Grazzi et al., ICLR 2025), instead of ``sigmoid(b)``."""
+
+    model_type = "gated_deltanet"
+
+    allow_neg_eigval: bool = False
+
+
+class PositionCountingCache(DynamicCache):
+    """transformers' ``DynamicCache`` that counts the positions it has seen (``GatedDeltaNetForCausalLM.forward``
+    advances it): Qwen3.5's linear-attention cache layers count none, and without an attention layer
+    ``get_seq_length`` raised (in training, where the model builds a cache, and in ``generate``)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.positions = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.positions
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """A full attention layer's key length and offset (Qwen3.5 has no sliding layers)."""
+        return self.positions + query_length, 0
+
+
+def _beta_doubled(rule):
+    def rule_with_doubled_beta(*args, beta, **kwargs):
+        return rule(*args, beta=2 * beta, **kwargs)
+
+    return rule_with_doubled_beta
+
+
+_DELTA_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+def _negative_eigenvalues(forward):
+    """``forward`` of a ``Qwen3_5GatedDeltaNet`` whose delta rules get ``2 * beta``: transformers' layer computes
+    ``beta = sigmoid(b)`` and passes it to module-level rules, which are swapped for the call (a recomputation under
+    gradient checkpointing calls this forward again). Not thread-safe: one forward at a time per process."""
+    def forward_with_negative_eigenvalues(*args, **kwargs):
+        rules = {name: getattr(modeling_qwen3_5, name) for name in _DELTA_RULES}
+        try:
+            for name, rule in rules.items():
+                setattr(modeling_qwen3_5, name, _beta_doubled(rule))
+            return forward(*args, **kwargs)
+        finally:
+            for name, rule in rules.items():
+                setattr(modeling_qwen3_5, name, rule)
+
+    return forward_with_negative_eigenvalues
+
+
+class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
+    """transformers' ``Qwen3_5ForCausalLM`` (text model) as the Gated DeltaNet baseline, adapted in two places and
+    otherwise transformers' code: a :class:`PositionCountingCache` (an all-linear layout trains and generates; no
+    cache in training unless asked) and ``config.allow_neg_eigval`` (``beta = 2 sigmoid(b)`` in every Gated DeltaNet
+    layer, :class:`GatedDeltaNetConfig`)."""
+
+    config_class = GatedDeltaNetConfig
+
+    def __init__(self, config: GatedDeltaNetConfig):
+        super().__init__(config)
+        if config.allow_neg_eigval:
+            for layer in self.model.layers:
+                if getattr(layer, "linear_attn", None) is not None:
+                    layer.linear_attn.forward = _negative_eigenvalues(layer.linear_attn.forward)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() would build a plain DynamicCache: forward builds a PositionCountingCache
+
+    def forward(self, input_ids=None, inputs_embeds=None, use_cache=None, **kwargs):
+        cache = kwargs.get(CACHE_NAME)
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and cache is None:
+            cache = kwargs[CACHE_NAME] = PositionCountingCache(self.config)
+        out = super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        if isinstance(cache, PositionCountingCache):
+            cache.positions += (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        return out
 
 
 class LSTMConfig(PreTrainedConfig):
@@ -181,9 +331,12 @@ class LSTMLanguageModel(PreTrainedModel, GenerationMixin):
         return CausalLMOutput(logits=logits, loss=loss)
 
 
-# after `import bilinear_lm.baselines`, Auto classes load a saved LSTM LM (e.g. train.py --model_type lstm output)
+# after `import bilinear_lm.baselines`, Auto classes load a saved LSTM LM (e.g. train.py --model_type lstm output) and
+# a saved Gated DeltaNet with its adapter
 AutoConfig.register(LSTMConfig.model_type, LSTMConfig, exist_ok=True)
 AutoModelForCausalLM.register(LSTMConfig, LSTMLanguageModel, exist_ok=True)
+AutoConfig.register(GatedDeltaNetConfig.model_type, GatedDeltaNetConfig, exist_ok=True)
+AutoModelForCausalLM.register(GatedDeltaNetConfig, GatedDeltaNetForCausalLM, exist_ok=True)
 
 
 def matched_lstm(bilinear_config_dict: dict, vocab_size: int) -> LSTMLanguageModel:

@@ -69,3 +69,88 @@ def test_factory_errors_name_the_problem():
         build_model("lstm", {"hidden_size": 8, "num_heads": 2}, 37, match_bilinear=False)
     with pytest.raises(ValueError, match="model_type must be one of \\['bilinear', 'llama'\\], got 'mamba'"):
         build_tiny_model("mamba", 50)
+
+
+# ---------------------------------------------------------------------------------- the peers (issue 47)
+GUTENBERG_SHAPE = {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4, "state_size": 64, "rank": 64}
+HYBRID = {**GUTENBERG_SHAPE, "layer_types": ["bilinear", "bilinear", "bilinear", "full_attention"]}
+
+
+@pytest.mark.parametrize("model_type, shape, vocab", [
+    ("gated_deltanet", GUTENBERG_SHAPE, 8192), ("gated_deltanet", HYBRID, 8192), ("mamba2", GUTENBERG_SHAPE, 8192),
+    ("gated_deltanet", BILINEAR, 37), ("mamba2", BILINEAR, 37)])
+def test_peers_match_the_bilinear_parameter_count_within_5_percent(model_type, shape, vocab):
+    from bilinear_lm.baselines import count_parameters
+
+    with torch.device("meta"):
+        target = count_parameters(build_model("bilinear", shape, vocab))
+        peer = build_model(model_type, shape, vocab)
+    assert abs(count_parameters(peer) / target - 1) < 0.05
+    if model_type == "gated_deltanet":  # its layout is the bilinear one: Gated DeltaNet where bilinear layers are
+        expected = ["full_attention" if t == "full_attention" else "linear_attention"
+                    for t in shape.get("layer_types", ["bilinear"] * shape["num_hidden_layers"])]
+        assert peer.config.layer_types == expected
+
+
+@pytest.mark.parametrize("layer_types", [["bilinear", "bilinear"], ["bilinear", "full_attention"]])
+def test_the_negative_eigenvalue_adapter_doubles_beta_and_changes_nothing_else(monkeypatch, layer_types):
+    """Gated DeltaNet[-1,1] (``allow_neg_eigval``) against the same weights without it: the first layer's call of
+    transformers' delta rule gets the same queries, keys, values, gates and state, and twice the beta
+    (2 sigmoid(b) in (0, 2)); every layer calls it once; the outputs differ; the rules are restored after each
+    forward."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    rules = {name: getattr(modeling_qwen3_5, name)
+             for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
+    calls = []
+    for name, rule in rules.items():
+        def recording(*args, _rule=rule, **kwargs):
+            calls.append({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            return _rule(*args, **kwargs)
+
+        monkeypatch.setattr(modeling_qwen3_5, name, recording)
+    shape = {**BILINEAR, "layer_types": layer_types}
+    torch.manual_seed(0)
+    plain = build_model("gated_deltanet", shape, 37)
+    torch.manual_seed(0)
+    negative = build_model("gated_deltanet", {**shape, "allow_neg_eigval": True}, 37)
+    assert same_weights(plain, negative) and negative.config.allow_neg_eigval
+    ids = torch.randint(0, 37, (2, 11))
+    with torch.no_grad():
+        plain_logits, negative_logits = plain(ids).logits, negative(ids).logits
+    half = len(calls) // 2
+    assert half == layer_types.count("bilinear") and len(calls) == 2 * half
+    before, after = calls[0], calls[half]  # the first layer's: the same input in both models (later ones differ)
+    assert before.keys() == after.keys() and "beta" in before
+    assert torch.equal(after["beta"], 2 * before["beta"]) and bool((after["beta"] > 1).any())
+    assert all(torch.equal(before[k], after[k]) for k in before if k != "beta")
+    assert not torch.allclose(plain_logits, negative_logits)
+    assert all(getattr(modeling_qwen3_5, name).__name__ == "recording" for name in rules)  # swapped back
+
+
+@pytest.mark.parametrize("model_type, extra", [("gated_deltanet", {}), ("gated_deltanet", {"allow_neg_eigval": True}),
+                                               ("gated_deltanet", {"layer_types": ["bilinear", "full_attention"]}),
+                                               ("mamba2", {})])
+def test_a_peer_trains_every_parameter_generates_as_an_argmax_loop_and_reloads(model_type, extra, tmp_path):
+    """One training step reaches every parameter (an all-linear Qwen3.5 raised in training in transformers);
+    greedy generate() with its cache equals re-running the whole sequence (it raised without an attention layer);
+    save_pretrained and the Auto classes give the same model back, the [-1,1] adapter included."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = build_model(model_type, {**BILINEAR, **extra}, 37).train()
+    ids = torch.randint(0, 37, (2, 13))
+    model(ids, labels=ids).loss.backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    model.eval()
+    generated = model.generate(ids[:, :5], max_new_tokens=6, do_sample=False)
+    loop = ids[:, :5]
+    with torch.no_grad():
+        for _ in range(6):
+            loop = torch.cat([loop, model(loop, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, loop)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(reloaded) is type(model) and same_weights(reloaded, model)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)

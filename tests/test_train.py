@@ -200,7 +200,7 @@ TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "state_
               "norm_chunk_size": 4}
 
 
-@pytest.mark.parametrize("model_type", ["bilinear", "llama", "mamba"])
+@pytest.mark.parametrize("model_type", ["bilinear", "llama", "gated_deltanet", "mamba2", "mamba"])
 def test_loss_goes_down_on_a_repeated_batch(model_type):
     from bilinear_lm.baselines import build_model
 
@@ -218,7 +218,7 @@ def test_loss_goes_down_on_a_repeated_batch(model_type):
     assert loss.item() < 0.5 * first
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mamba"])
+@pytest.mark.parametrize("model_type", ["llama", "gated_deltanet", "mamba2", "mamba"])
 def test_baselines_are_parameter_matched(model_type):
     from bilinear_lm.baselines import build_model, count_parameters
 
@@ -226,7 +226,7 @@ def test_baselines_are_parameter_matched(model_type):
     with torch.device("meta"):
         n_bilinear = count_parameters(build_model("bilinear", model_cfg, vocab_size=65))
         baseline = build_model(model_type, model_cfg, vocab_size=65)
-    assert type(baseline).__name__.lower().startswith(model_type)
+    assert type(baseline).__name__.lower().startswith(model_type.replace("_", ""))
     assert baseline.config.num_hidden_layers == model_cfg["num_hidden_layers"]
     assert abs(count_parameters(baseline) / n_bilinear - 1) < 0.1
 
@@ -243,6 +243,28 @@ def test_lstm_baseline_is_parameter_matched_and_its_loss_is_next_token_cross_ent
     out = lstm(ids, labels=ids)
     manual = -out.logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).mean()
     torch.testing.assert_close(out.loss, manual)
+
+
+def test_gated_deltanet_with_negative_eigenvalues_trains_through_train_py_and_the_option_is_its_own(small_text,
+                                                                                                  tmp_path, capsys):
+    """``--model_type gated_deltanet --model.allow_neg_eigval true``: train.py trains and saves Gated
+    DeltaNet[-1,1], which reloads with the Auto classes as such; the option on another model is a one-line error."""
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from bilinear_lm.baselines import GatedDeltaNetForCausalLM
+
+    out = tmp_path / "gdn"
+    args = tiny_args(small_text, out, model_type="gated_deltanet", max_steps=2, eval_interval=0, save_interval=0,
+                     sample_tokens=0)
+    assert train.main(args + ["--model.allow_neg_eigval", "true"])["step"] == 2
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model, GatedDeltaNetForCausalLM) and model.config.allow_neg_eigval
+    capsys.readouterr()
+    assert train.cli(tiny_args(small_text, tmp_path / "bilinear", max_steps=2) + ["--model.allow_neg_eigval",
+                                                                                  "true"]) == 1
+    assert capsys.readouterr().err.endswith("error: --model.*: allow_neg_eigval is a gated_deltanet option; bilinear "
+                                            "has no such setting\n")
 
 
 def test_lstm_trains_saves_reloads_and_generates_through_train_py(small_text, tmp_path):

@@ -26,7 +26,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg, string_to_bool
 
 from bilinear_lm import BilinearConfig
-from bilinear_lm.baselines import MODEL_TYPES
+from bilinear_lm.baselines import MODEL_TYPES, PEER_MODEL_KEYS
 
 from .data import default_num_proc
 
@@ -86,7 +86,8 @@ class TrainConfig:
     config: str | None = HfArg(default=None, help="a YAML preset (bilinear_lm/configs/); the command line overrides "
                                "it")
     model_type: Literal[MODEL_TYPES] = HfArg(default="bilinear", help="the bilinear LM, or a baseline of about its "
-                                             "parameter count")
+                                             "parameter count (gated_deltanet: --model.allow_neg_eigval true gives "
+                                             "its [-1, 1] form)")
     batch_size: int = HfArg(default=16, help="sequences per process and micro-step")
     gradient_accumulation_steps: int = HfArg(default=1, help="micro-steps per optimizer step")
     max_steps: int = HfArg(default=1000, help="optimizer steps")
@@ -152,14 +153,15 @@ class Config(NamedTuple):
 
 def model_key_types() -> dict[str, type]:
     """Valid `--model.KEY`s and their types (bool, int, float, str; `object` for anything else, read as YAML): the
-    fields BilinearConfig declares. `vocab_size` defaults to the tokenizer's length."""
+    fields BilinearConfig declares, and the peers' own (`PEER_MODEL_KEYS`: `allow_neg_eigval`, Gated DeltaNet's).
+    `vocab_size` defaults to the tokenizer's length."""
     key_types = {}
     for name, annotation in BilinearConfig.__annotations__.items():
         if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None -> X
             args = [a for a in typing.get_args(annotation) if a is not type(None)]
             annotation = args[0] if len(args) == 1 else object
         key_types[name] = annotation if annotation in (bool, int, float, str) else object
-    return key_types
+    return {**key_types, **PEER_MODEL_KEYS}
 
 
 def model_value(key: str, text: str):

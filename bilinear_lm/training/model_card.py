@@ -131,6 +131,10 @@ def model_card(cfg: Config, model, n_params: int, records: list[dict], harness: 
     versions = ", ".join(f"{name} {version}" for name, version in _versions().items())
     description = {"bilinear": "a bilinear recurrent language model (multiplicative state transitions)",
                    "llama": "transformers' `LlamaForCausalLM`, a baseline of about the bilinear model's size",
+                   "gated_deltanet": "Gated DeltaNet (transformers' `Qwen3_5ForCausalLM` text model, through "
+                                     "`bilinear_lm.baselines.GatedDeltaNetForCausalLM`), a peer of about the bilinear "
+                                     "model's size",
+                   "mamba2": "transformers' `Mamba2ForCausalLM`, a peer of about the bilinear model's size",
                    "mamba": "transformers' `MambaForCausalLM`, a baseline of about the bilinear model's size",
                    "lstm": "an LSTM language model (`bilinear_lm.baselines.LSTMLanguageModel`), a baseline"}[model_type]
     body = f"""# {metadata.model_name}
