@@ -269,3 +269,19 @@ def test_cli_errors(ckpts, text_file, tmp_path):
     with pytest.raises(SystemExit, match=r"error: token id \d+ at position \d+ is outside the model's vocabulary of "
                                          r"300 ids"):
         ppl.main(["--model", str(small), "--tokenizer", ck, "--file", str(text_file), "--mode", "strided"])
+
+
+@pytest.mark.parametrize("model_type", ["gated_deltanet", "mamba2"])
+def test_the_recurrent_peers_stream_exactly(model_type, tokenizer, ids):
+    """Gated DeltaNet and Mamba2 carry their state across segments: streaming equals one full forward (transformers
+    5.23's Mamba2 takes and returns its cache as ``cache_params``, not under the cache argument's name)."""
+    from bilinear_lm.baselines import build_model
+
+    torch.manual_seed(1)
+    model = build_model(model_type, dict(hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8, rank=8),
+                        len(tokenizer)).double().eval()
+    x = ids[:60]
+    ref, n = naive_nll(model, x)
+    nll, count = ppl.streaming_perplexity(model, x, 7, allow_kv_cache=False)
+    assert count == n
+    assert nll == pytest.approx(ref, rel=1e-9)

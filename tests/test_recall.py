@@ -283,7 +283,8 @@ def test_every_recall_model_has_untied_output_embeddings():
 
 def test_state_floats_count_every_cached_tensor_per_layer():
     """Closed forms: Llama's keys and values (2 x length x width), an LSTM's h and c, and the memory-head model's
-    tracking state, convolution windows, memory matrices and homogeneous coordinates."""
+    tracking state, convolution windows, memory matrices and homogeneous coordinates; Gated DeltaNet's and Mamba2's
+    states and convolution windows."""
     c = RecallConfig(**TINY)
     D, N, H = c.hidden_size, c.num_heads, c.state_size
     assert state_floats(recall_model("llama", c), c.seq_len) == 2 * c.seq_len * D
@@ -292,3 +293,9 @@ def test_state_floats_count_every_cached_tensor_per_layer():
     memory = N * (Dv * Dk + 1) + 3 * N * (2 * Dk + Dv)  # S, c and the memory's window of 3 positions
     assert state_floats(recall_model("bilinear-memory", c), c.seq_len) == N * H + 3 * D + memory
     assert state_floats(recall_model("bilinear", c), c.seq_len) == N * H
+    # the peers as transformers caches them: the delta rule's N matrices of keys x values and the short convolution
+    # of queries, keys and values (transformers keeps its whole width of 4); Mamba2's 2N heads of D/N x state 64 and
+    # its convolution of x, B and C
+    for name in ("gated_deltanet", "gated_deltanet-neg"):
+        assert state_floats(recall_model(name, c), c.seq_len) == N * (D // (2 * N)) * (D // N) + (D // 2 * 2 + D) * 4
+    assert state_floats(recall_model("mamba2", c), c.seq_len) == 2 * N * (D // N) * 64 + (2 * D + 2 * 64) * 4

@@ -97,7 +97,9 @@ def test_every_model_name_builds_from_a_fresh_config(name):
     model, cfg = build_probe_model(name, task, config)
     kind, _, n = name.partition("-")
     expected = {"bilinear": "BilinearForCausalLM", "hybrid": "BilinearForCausalLM", "stack": "BilinearForCausalLM",
-                "lstm": "LSTMLanguageModel", "transformer": "LlamaForCausalLM", "mamba": "MambaForCausalLM"}[kind]
+                "lstm": "LSTMLanguageModel", "transformer": "LlamaForCausalLM", "mamba": "MambaForCausalLM",
+                "gated_deltanet": "GatedDeltaNetForCausalLM", "gated_deltanet_neg": "GatedDeltaNetForCausalLM",
+                "mamba2": "Mamba2ForCausalLM"}[kind]
     assert type(model).__name__ == expected and cfg["vocab_size"] == 5 == model.get_input_embeddings().num_embeddings
     assert model.config.hidden_size == 8
     if kind == "lstm":
@@ -108,6 +110,8 @@ def test_every_model_name_builds_from_a_fresh_config(name):
         assert model.config.layer_types == ["bilinear"] * 3 + ["full_attention" if kind == "hybrid" else "bilinear"]
     if kind == "transformer":
         assert model.config.max_position_embeddings == 3001  # the longest test sequence fits
+    if kind.startswith("gated_deltanet"):
+        assert model.config.allow_neg_eigval == kind.endswith("_neg")
     x, _ = task.sample(2, 7)
     assert class_logits(model, x, task.num_classes).shape == (2, 7, 5)
 

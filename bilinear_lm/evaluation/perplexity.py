@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..modeling.modeling_bilinear import check_token_ids
-from ..modeling.transformers_compat import CACHE_NAME, returned_cache
+from ..modeling.transformers_compat import cache_argument, returned_cache
 from ..utils import eval_mode
 
 __all__ = [
@@ -187,7 +187,7 @@ def _streaming(model, ids, segment_len: int, allow_kv_cache: bool) -> list[torch
             end = min(start + segment_len, n_in)
             kwargs = {"use_cache": True}
             if past is not None:
-                kwargs[CACHE_NAME] = past
+                kwargs[cache_argument(model)] = past
             out = model(input_ids=ids[start:end].unsqueeze(0), **kwargs)
             nlls.append(_nll(out.logits[0], ids[start + 1 : end + 1]))
             past = returned_cache(out)

@@ -7,6 +7,7 @@ Imported by the modeling code, so it travels with it as remote code (torch and t
 """
 
 import functools
+import inspect
 
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
@@ -33,6 +34,18 @@ def takes_cache(forward):
     return forward_taking_past_key_values
 
 
+def cache_argument(model) -> str:
+    """The keyword under which ``model.forward`` (any transformers model) takes its cache here: ``cache`` on 5.24;
+    on 5.23 ``past_key_values``, or ``cache_params`` for the Mamba models."""
+    if CACHE_NAME == "cache":
+        return "cache"
+    return "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else CACHE_NAME
+
+
 def returned_cache(outputs):
-    """The cache a model's ``forward`` (any transformers model) or ``generate`` returned, under either name."""
-    return getattr(outputs, CACHE_NAME, None)
+    """The cache a model's ``forward`` (any transformers model) or ``generate`` returned, under either version's name
+    (5.23's Mamba models return ``cache_params``)."""
+    cache = getattr(outputs, CACHE_NAME, None)
+    if cache is None and CACHE_NAME != "cache":
+        cache = getattr(outputs, "cache_params", None)
+    return cache

@@ -15,6 +15,10 @@ vocabulary is sized max(num_symbols, num_classes) and untied. Models are built b
 - ``lstm``: torch.nn.LSTM (``lstm-2`` for two layers).
 - ``transformer-N``: LlamaForCausalLM with N layers (RoPE, ``num_heads`` heads).
 - ``mamba-N``: MambaForCausalLM with N layers.
+- ``gated_deltanet-N``: Gated DeltaNet with N layers (``bilinear_lm.baselines.GatedDeltaNetForCausalLM``,
+  transformers' Qwen3.5 text model; ``num_heads`` heads, keys of ``hidden / (2 heads)``, values of
+  ``hidden / heads``); ``gated_deltanet_neg-N`` its [-1, 1] form (``allow_neg_eigval``).
+- ``mamba2-N``: Mamba2ForCausalLM with N layers (``2 num_heads`` heads of ``hidden / num_heads``, state 64).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from .tasks import Task
 
 MODEL_NAMES = tuple(f"bilinear-{m}" for m in MIXER_TYPES) + (
     "hybrid-4", "stack-4", "lstm", "lstm-2", "transformer-1", "transformer-2", "transformer-4", "mamba-1", "mamba-2",
-    "mamba-4")
+    "mamba-4", "gated_deltanet-1", "gated_deltanet-2", "gated_deltanet_neg-1", "gated_deltanet_neg-2", "mamba2-1",
+    "mamba2-2")
 
 
 def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[str, dict]:
@@ -66,19 +71,33 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
         return "bilinear", {**cfg, "layer_types": interleaved_layer_types(int(layers), 4, kind),
                             "num_attention_heads": heads, "num_key_value_heads": heads,
                             "use_rope": config.attention_rope, **window}
-    if kind in ("transformer", "mamba") and layers.isdigit() and int(layers) >= 1:
-        L = int(layers)
+    if kind in ("transformer", "mamba", "gated_deltanet", "gated_deltanet_neg", "mamba2") and layers.isdigit() \
+            and int(layers) >= 1:
+        L, heads = int(layers), config.num_heads
+        if kind != "mamba" and H % (2 * heads if kind.startswith("gated") else heads):
+            raise ValueError(f"hidden_size {H} must be divisible by {'2 x ' if kind.startswith('gated') else ''}"
+                             f"num_heads {heads} for {kind}")
+        if kind.startswith("gated_deltanet"):
+            return "gated_deltanet", dict(
+                hidden_size=H, intermediate_size=4 * H, num_hidden_layers=L, layer_types=["linear_attention"] * L,
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=H // heads, linear_num_key_heads=heads,
+                linear_num_value_heads=heads, linear_key_head_dim=H // (2 * heads), linear_value_head_dim=H // heads,
+                linear_conv_kernel_dim=4, tie_word_embeddings=False, use_cache=False,
+                allow_neg_eigval=kind.endswith("_neg"))
+        if kind == "mamba2":
+            # chunks of 32 (transformers' default 256 pads every short probe sequence to 256: 25x the step time)
+            return "mamba2", dict(hidden_size=H, num_hidden_layers=L, num_heads=2 * heads, head_dim=H // heads,
+                                  expand=2, state_size=64, n_groups=1, conv_kernel=4, chunk_size=32,
+                                  tie_word_embeddings=False, use_cache=False, pad_token_id=None, bos_token_id=None,
+                                  eos_token_id=None)
         if kind == "transformer":
-            heads = config.num_heads
-            if H % heads:
-                raise ValueError(f"hidden_size {H} must be divisible by num_heads {heads} for transformers")
             return "llama", dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=L, num_attention_heads=heads,
                                  num_key_value_heads=heads, max_position_embeddings=max(2048, config.max_length + 1),
                                  tie_word_embeddings=False, use_cache=False)
         return "mamba", dict(hidden_size=H, state_size=16, num_hidden_layers=L, expand=2, tie_word_embeddings=False,
                              use_cache=False)
-    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N / stack-N "
-                     "take any N, hybrid-N any N >= 4)")
+    raise ValueError(f"unknown model {name!r}; choose one of {list(MODEL_NAMES)} (transformer-N / mamba-N / "
+                     "gated_deltanet[_neg]-N / mamba2-N / stack-N take any N, hybrid-N any N >= 4)")
 
 
 def build_probe_model(name: str, task: Task, config: ProbeConfig) -> tuple[nn.Module, dict]:

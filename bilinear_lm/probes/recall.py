@@ -39,7 +39,8 @@ from ..utils import eval_mode
 from .config import option
 
 IGNORE = -100
-RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-memory", "llama", "lstm")
+RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-memory", "llama", "gated_deltanet", "gated_deltanet-neg",
+                 "mamba2", "lstm")
 POWER_A = 0.01  # Zoology's power law for the query gaps
 ZOOLOGY_LRS = (1e-4, 4.642e-4, 2.154e-3, 1e-2)  # np.logspace(-4, -2, 4), to 4 digits
 POINTS = {"64x4": (64, 4), "128x8": (128, 8), "256x16": (256, 16)}  # Zoology's figure 2: (seq_len, num_pairs)
@@ -144,9 +145,11 @@ class RecallConfig:
 def recall_model(name: str, config: RecallConfig):
     """A causal LM for MQAR: ``bilinear`` (pure), ``bilinear-conv`` (``conv_width=4``; with ``extra`` layer types, a
     hybrid), ``bilinear-memory`` (``bilinear-conv`` with ``num_heads`` memory heads of keys and values
-    ``hidden_size / num_heads``), ``llama`` or ``lstm``, all ``num_layers`` deep and ``hidden_size`` wide, with untied
-    input and output embeddings (tied, a 2-layer attention model of the bilinear stack stayed at ``1 / pairs``, 0.260,
-    where untied it reached 0.981: docs/results-history.md)."""
+    ``hidden_size / num_heads``), ``llama``, ``gated_deltanet`` (``num_heads`` heads, keys of ``hidden_size / (2
+    num_heads)``, values of ``hidden_size / num_heads``, convolution 4; ``gated_deltanet-neg``: its [-1, 1] form),
+    ``mamba2`` (``2 num_heads`` heads of ``hidden_size / num_heads``, state 64) or ``lstm``, all ``num_layers`` deep
+    and ``hidden_size`` wide, with untied input and output embeddings (tied, a 2-layer attention model of the
+    bilinear stack stayed at ``1 / pairs``, 0.260, where untied it reached 0.981: docs/results-history.md)."""
     c = config
     if name in ("bilinear", "bilinear-conv", "bilinear-memory"):
         memory = {} if name != "bilinear-memory" else dict(
@@ -161,6 +164,20 @@ def recall_model(name: str, config: RecallConfig):
                    num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
                    max_position_embeddings=c.seq_len, tie_word_embeddings=False, use_cache=False)
         return build_model("llama", cfg, c.vocab_size, match_bilinear=False)
+    if name in ("gated_deltanet", "gated_deltanet-neg"):
+        H, heads = c.hidden_size, c.num_heads
+        cfg = dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=c.num_layers,
+                   layer_types=["linear_attention"] * c.num_layers, num_attention_heads=heads,
+                   num_key_value_heads=heads, head_dim=H // heads, linear_num_key_heads=heads,
+                   linear_num_value_heads=heads, linear_key_head_dim=H // (2 * heads), linear_value_head_dim=H // heads,
+                   linear_conv_kernel_dim=4, tie_word_embeddings=False, allow_neg_eigval=name.endswith("-neg"))
+        return build_model("gated_deltanet", cfg, c.vocab_size, match_bilinear=False)
+    if name == "mamba2":
+        cfg = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_heads=2 * c.num_heads,
+                   head_dim=c.hidden_size // c.num_heads, expand=2, state_size=64, n_groups=1, conv_kernel=4,
+                   chunk_size=64,  # transformers' 256 would pad a sequence of 64 to 256
+                   tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        return build_model("mamba2", cfg, c.vocab_size, match_bilinear=False)
     if name == "lstm":
         return build_model("lstm", dict(hidden_size=c.hidden_size, num_layers=c.num_layers), c.vocab_size,
                            match_bilinear=False)
@@ -169,10 +186,10 @@ def recall_model(name: str, config: RecallConfig):
 
 def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
     """What a recall model's LM head reads, ``[B, T, hidden]``: the base model's last hidden state (bilinear models
-    and hybrids, Llama), the LSTM's output."""
+    and hybrids, Llama, the peers), the LSTM's output."""
     if isinstance(model, LSTMLanguageModel):
         return model.lstm(model.embed(tokens))[0]
-    return model.model(input_ids=tokens, use_cache=False).last_hidden_state
+    return model.base_model(input_ids=tokens, use_cache=False).last_hidden_state
 
 
 def answer_logits(model, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
