@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bilinear_lm.probes import Automaton, load_automaton, make_task
-from bilinear_lm.probes.tasks import TASK_NAMES
+from bilinear_lm.probes.tasks import AUTOMATON_TASK_NAMES
 
 
 def sample(task, batch=16, length=23, seed=0):
@@ -154,7 +154,7 @@ def test_permutation_word_problem(group, order, symbols):
             assert lab[t] == elems.index(prod)
 
 
-@pytest.mark.parametrize("name", [n for n in TASK_NAMES if n != "automaton"])
+@pytest.mark.parametrize("name", [n for n in AUTOMATON_TASK_NAMES if n != "automaton"])
 def test_transition_matrices_simulate_the_automaton(name):
     """h_t = A(x_t) h_{t-1} with one-hot h and the readout matrix reproduces the labels (float64)."""
     task = make_task(name)

@@ -60,8 +60,11 @@ def test_evaluate_names_bad_input():
     x, y = task.sample(3, 5, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"must both be non-empty \[batch, length\], got shapes \(3, 5\) and \(3, 4\)"):
         evaluate(model, x, y[:, :4], task.num_classes)
-    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, 2\), got range \[0, 3\]"):
+    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, 2\) \(or -100: unlabelled\), got range "
+                                         r"\[0, 3\]"):
         evaluate(model, x, torch.full_like(y, 3).index_fill_(1, torch.tensor([0]), 0), 2)
+    with pytest.raises(ValueError, match="every label is -100 \\(unlabelled\\): nothing to score"):
+        evaluate(model, x, torch.full_like(y, -100), task.num_classes)
 
 
 @pytest.mark.parametrize("mixer", MIXER_TYPES)

@@ -78,10 +78,16 @@ def _int_range(text: str) -> tuple[int, int]:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
+    """``50,100,500``; an item ``LO-HI`` is every integer from LO to HI (``40-256``: the field's test lengths)."""
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        out = []
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            lo, _, hi = item.partition("-")
+            out += range(int(lo), int(hi) + 1) if hi else [int(lo)]
+        return tuple(out)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers, e.g. 50,100,500, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers or LO-HI ranges, e.g. 50,100,500 or "
+                                         f"40-256, got {text!r}") from None
 
 
 def _flag_type(hint) -> dict:

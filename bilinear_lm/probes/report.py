@@ -53,6 +53,19 @@ def markdown_table(runs: list[dict]) -> str:
         return f"{mean:.2f}" if len(vals) == 1 else f"{mean:.2f} ({min(vals):.2f}-{max(vals):.2f})"
 
     out = []
+    pooled = [r for r in runs if len(r["test"]) > 1 and "pooled_final_acc_norm" in r]
+    if pooled:  # the field's protocol (Grazzi et al.): scaled accuracy pooled over the test lengths, best of seeds
+        spans = sorted({f"{min(map(int, r['test']))}-{max(map(int, r['test']))}" for r in pooled})
+        out.append(f"### Scaled accuracy pooled over test lengths {'/'.join(spans)}, %: best of seeds (mean; seeds)\n")
+        out.append("| model | " + " | ".join(tasks) + " |")
+        out.append("|---|" + "---|" * len(tasks))
+        for mdl in models:
+            row = []
+            for t in tasks:
+                vals = [100 * r["pooled_final_acc_norm"] for r in cells.get((t, mdl), []) if r in pooled]
+                row.append(f"{max(vals):.2f} ({sum(vals) / len(vals):.2f}; {len(vals)})" if vals else "-")
+            out.append(f"| {mdl} | " + " | ".join(row) + " |")
+        out.append("")
     for metric, title in (("final_acc", f"Final-position accuracy at length {Ls}"),
                           ("final_acc_norm", f"Chance-normalized final-position accuracy at length {Ls}"),
                           ("beyond_train_acc", f"Mean accuracy over positions beyond training, length {Ls}")):

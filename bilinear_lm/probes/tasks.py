@@ -29,6 +29,8 @@ Tasks (``m`` in brackets is the default)
   pair, see ``groups.generators``); label = index of the running product
   ``x_t o ... o x_1`` in the lexicographic element list (``groups.elements``).
 - ``automaton``: any automaton from a JSON file (``path=...``, schema in ``load_automaton``).
+- ``field_parity``, ``field_modular_arithmetic``, ``field_modular_arithmetic_brackets``: the field's formal-language
+  tasks, one label per sequence (``field_tasks.py``; the last needs a stack: no automaton).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 
 from . import groups as G
 from .automata import Automaton, load_automaton
+from .field_tasks import FIELD_TASKS, FieldTask
 
 Sampler = Callable[[int, int, "torch.Generator | None"], torch.Tensor]
 
@@ -224,17 +227,19 @@ def automaton_task(path) -> Task:
 
 
 # ---------------------------------------------------------------------- registry
-TASK_NAMES = (
+AUTOMATON_TASK_NAMES = (  # the tasks whose labels an automaton gives at every position
     "parity", "modular_addition", "modular_arithmetic", "modular_arithmetic_precedence", "random_fsm",
     "cycle_navigation", "permutation_S3", "permutation_A4", "permutation_A5", "permutation_S5", "automaton",
 )
+TASK_NAMES = (*AUTOMATON_TASK_NAMES, *FIELD_TASKS)
 USES_M = {"modular_addition": 5, "modular_arithmetic": 5, "modular_arithmetic_precedence": 5,
           "random_fsm": 10, "cycle_navigation": 5}
 
 
 def make_task(name: str, m: int | None = None, *, num_symbols: int | None = None, fsm_seed: int = 0,
-              symbols: str = "elements", path=None) -> Task:
-    """Build a task by name (see module docstring). ``m`` is ignored by tasks that have no modulus."""
+              symbols: str = "elements", path=None) -> Task | FieldTask:
+    """Build a task by name (see module docstring). ``m`` is ignored by tasks that have no modulus (the field's
+    tasks fix theirs at 5)."""
     key = name
     if name.lower().startswith("permutation_"):
         key = "permutation_" + name.split("_", 1)[1].upper()
@@ -242,6 +247,8 @@ def make_task(name: str, m: int | None = None, *, num_symbols: int | None = None
         raise ValueError(f"unknown task {name!r}; choose one of {list(TASK_NAMES)}")
     if key in USES_M:
         m = USES_M[key] if m is None else m
+    if key in FIELD_TASKS:
+        return FIELD_TASKS[key]()
     if key == "parity":
         return parity()
     if key == "modular_addition":

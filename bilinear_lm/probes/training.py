@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..utils import eval_mode
 from .config import ProbeConfig
+from .field_tasks import IGNORE, FieldTask
 from .models import build_probe_model, class_logits, model_spec
 from .tasks import Task
 
@@ -36,6 +37,9 @@ def check_state_consistency(task: Task, model_name: str, config: ProbeConfig) ->
     or a task whose labels merge states."""
     if config.state_consistency == 0:
         return
+    if task.automaton is None:
+        raise ValueError(f"state consistency needs a task whose label is the automaton state; {task.name} has no "
+                         "automaton (set it to 0: drop --state-consistency)")
     if model_spec(model_name, config, task.vocab_size)[0] != "bilinear":
         raise ValueError(f"state_consistency reads the bilinear recurrent state; {model_name} has none (set it to 0: "
                          "drop --state-consistency)")
@@ -76,13 +80,18 @@ def state_consistency_loss(states, labels: torch.Tensor, num_classes: int) -> to
 
 @torch.no_grad()
 def evaluate(model, tokens, labels, num_classes: int, eval_tokens: int = 8192):
-    """Chunked over the batch under no_grad -> (per-position accuracy [T], mean loss)."""
+    """Chunked over the batch under no_grad -> (per-position accuracy [T], mean loss) over the labelled positions
+    (``IGNORE``: unlabelled; a position with no label gets accuracy NaN)."""
     if tokens.dim() != 2 or tokens.shape != labels.shape or tokens.numel() == 0:
         raise ValueError(f"evaluate: tokens and labels must both be non-empty [batch, length], got shapes "
                          f"{tuple(tokens.shape)} and {tuple(labels.shape)}")
-    if labels.min() < 0 or labels.max() >= num_classes:
-        raise ValueError(f"evaluate: labels must be class ids in [0, {num_classes}), got range "
-                         f"[{int(labels.min())}, {int(labels.max())}] (pass the task's num_classes)")
+    scored = labels != IGNORE
+    if not scored.any():
+        raise ValueError(f"evaluate: every label is {IGNORE} (unlabelled): nothing to score")
+    if labels[scored].min() < 0 or labels[scored].max() >= num_classes:
+        raise ValueError(f"evaluate: labels must be class ids in [0, {num_classes}) (or {IGNORE}: unlabelled), got "
+                         f"range [{int(labels[scored].min())}, {int(labels[scored].max())}] (pass the task's "
+                         "num_classes)")
     with eval_mode(model):
         B, T = tokens.shape
         chunk = max(1, eval_tokens // T)
@@ -92,8 +101,10 @@ def evaluate(model, tokens, labels, num_classes: int, eval_tokens: int = 8192):
             x, y = tokens[i:i + chunk], labels[i:i + chunk]
             logits = class_logits(model, x, num_classes)
             correct += (logits.argmax(-1) == y).sum(0).double()
-            loss_sum += F.cross_entropy(logits.reshape(-1, num_classes), y.reshape(-1), reduction="sum").item()
-    return correct / B, loss_sum / (B * T)
+            loss_sum += F.cross_entropy(logits.reshape(-1, num_classes), y.reshape(-1), reduction="sum",
+                                        ignore_index=IGNORE).item()
+    counted = scored.sum(0).double()
+    return correct / counted, loss_sum / float(counted.sum())
 
 
 def normalize(acc: float, chance: float) -> float:
@@ -115,7 +126,7 @@ def cosine_factor(step: int, steps: int, seconds: float, max_seconds: float | No
 
 def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = ProbeConfig(), log=print) -> dict:
     """Train model ``model_name`` on ``task`` and evaluate length generalization -> the result dict of the run."""
-    if not isinstance(task, Task):
+    if not isinstance(task, (Task, FieldTask)):
         raise ValueError(f"run_probe: task must be a bilinear_lm.probes.Task (make_task(...)), got {type(task).__name__}")
     if not isinstance(config, ProbeConfig):
         raise ValueError(f"run_probe: config must be a ProbeConfig, got {type(config).__name__}")
@@ -166,7 +177,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         out_of_time = c.max_seconds is not None and time.time() - t0 > c.max_seconds
         if step % c.eval_every == 0 or step == c.steps or out_of_time:
             acc_pos, val_loss = evaluate(model, val_x, val_y, C, c.eval_tokens)
-            val_acc = float(acc_pos.mean())
+            val_acc = float(acc_pos.nanmean())
             history.append({"step": step, "train_loss": round(train_loss, 5), "val_acc": round(val_acc, 5),
                             "val_loss": round(val_loss, 5),
                             **({"consistency_loss": round(consistency.item(), 5)} if with_consistency else {})})
@@ -195,11 +206,11 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         x, y = task.sample(c.test_size, T, torch.Generator().manual_seed(TEST_SEED + T))
         acc_pos, test_loss = evaluate(model, x, y, C, c.eval_tokens)
         final = float(acc_pos[-1])
-        beyond = float(acc_pos[hi:].mean()) if T > hi else float("nan")
+        beyond = float(acc_pos[hi:].nanmean()) if T > hi else float("nan")
         test[str(T)] = {
             "final_acc": final, "final_acc_norm": normalize(final, chance),
             "beyond_train_acc": beyond, "beyond_train_acc_norm": normalize(beyond, chance),
-            "mean_acc": float(acc_pos.mean()), "loss": test_loss,
+            "mean_acc": float(acc_pos.nanmean()), "loss": test_loss,
             "per_position_acc": [round(float(a), 4) for a in acc_pos],
         }
     result = {
@@ -212,6 +223,9 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         "steps": step, "seconds": round(train_seconds, 2), "eval_seconds": round(time.time() - t0 - train_seconds, 2),
         "stop_reason": stop_reason, "best_step": best_step, "best_val_acc": best_val_acc, "best_val_loss": best_val_loss,
         "test": test, "history": history,
+        # the field's scaled accuracy (Grazzi et al.) with test_lengths 40..256: final-position accuracy pooled over
+        # the test lengths, each counted equally, chance-normalized
+        "pooled_final_acc_norm": normalize(sum(t["final_acc"] for t in test.values()) / len(test), chance),
     }
     Tmax = str(max(c.test_lengths))
     log(f"{task_label(result)} {model_name} seed {seed}: final acc @{Tmax} "
