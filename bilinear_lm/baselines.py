@@ -125,8 +125,6 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
 
     bilinear_config_dict = dict(bilinear_config_dict)
     allow_neg_eigval = bool(bilinear_config_dict.pop("allow_neg_eigval", False))
-    if allow_neg_eigval and model_type != "gated_deltanet":
-        raise ValueError(f"allow_neg_eigval is a gated_deltanet option; {model_type} has no such setting")
     bcfg = bilinear_config(bilinear_config_dict, vocab_size)
     target = _meta_count(BilinearForCausalLM, bcfg)
     layers, tie = bcfg.num_hidden_layers, bcfg.tie_word_embeddings
@@ -229,21 +227,19 @@ def _beta_doubled(rule):
 _DELTA_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 
-def _negative_eigenvalues(forward):
-    """``forward`` of a ``Qwen3_5GatedDeltaNet`` whose delta rules get ``2 * beta``: transformers' layer computes
-    ``beta = sigmoid(b)`` and passes it to module-level rules, which are swapped for the call (a recomputation under
-    gradient checkpointing calls this forward again). Not thread-safe: one forward at a time per process."""
-    def forward_with_negative_eigenvalues(*args, **kwargs):
-        rules = {name: getattr(modeling_qwen3_5, name) for name in _DELTA_RULES}
-        try:
-            for name, rule in rules.items():
-                setattr(modeling_qwen3_5, name, _beta_doubled(rule))
-            return forward(*args, **kwargs)
-        finally:
-            for name, rule in rules.items():
-                setattr(modeling_qwen3_5, name, rule)
+def _swap_in_doubled_beta(module, args) -> None:
+    """A ``Qwen3_5GatedDeltaNet``'s forward pre-hook: transformers' layer computes ``beta = sigmoid(b)`` and passes it
+    to module-level delta rules, swapped here, for its call, for rules that get ``2 * beta`` (a recomputation under
+    gradient checkpointing calls the hooks again). Not thread-safe: one forward at a time per process."""
+    module._delta_rules = {name: getattr(modeling_qwen3_5, name) for name in _DELTA_RULES}
+    for name, rule in module._delta_rules.items():
+        setattr(modeling_qwen3_5, name, _beta_doubled(rule))
 
-    return forward_with_negative_eigenvalues
+
+def _restore_delta_rules(module, args, output) -> None:
+    """The matching forward hook (``always_call``: also when the forward raises): transformers' rules back."""
+    for name, rule in module.__dict__.pop("_delta_rules", {}).items():
+        setattr(modeling_qwen3_5, name, rule)
 
 
 class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
@@ -256,22 +252,27 @@ class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
 
     def __init__(self, config: GatedDeltaNetConfig):
         super().__init__(config)
-        if config.allow_neg_eigval:
+        if config.allow_neg_eigval:  # hooks, not a wrapped forward: a deep copy of the model keeps them right
             for layer in self.model.layers:
                 if getattr(layer, "linear_attn", None) is not None:
-                    layer.linear_attn.forward = _negative_eigenvalues(layer.linear_attn.forward)
+                    layer.linear_attn.register_forward_pre_hook(_swap_in_doubled_beta)
+                    layer.linear_attn.register_forward_hook(_restore_delta_rules, always_call=True)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # generate() would build a plain DynamicCache: forward builds a PositionCountingCache
 
-    def forward(self, input_ids=None, inputs_embeds=None, use_cache=None, **kwargs):
-        cache = kwargs.get(CACHE_NAME)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, *, inputs_embeds=None, use_cache=None,
+                **kwargs):
+        """``Qwen3_5ForCausalLM.forward`` (the rest by keyword), with a :class:`PositionCountingCache` built where a
+        cache is used and none is given (training uses none unless ``use_cache=True``)."""
+        cache = kwargs.get(CACHE_NAME, kwargs.get("past_key_values"))  # the old name: transformers' warning, later
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         if use_cache and cache is None:
             cache = kwargs[CACHE_NAME] = PositionCountingCache(self.config)
-        out = super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         if isinstance(cache, PositionCountingCache):
             cache.positions += (input_ids if input_ids is not None else inputs_embeds).shape[1]
         return out

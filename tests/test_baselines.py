@@ -154,3 +154,32 @@ def test_a_peer_trains_every_parameter_generates_as_an_argmax_loop_and_reloads(m
     assert type(reloaded) is type(model) and same_weights(reloaded, model)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_a_deep_copy_of_gated_deltanet_with_negative_eigenvalues_is_the_same_model_and_a_failed_forward_restores(
+        monkeypatch):
+    """The [-1,1] adapter lives in module hooks: a deep copy (as checkpoints and model selection make) computes what
+    the original did, on its own weights; transformers' delta rule is back after a forward that raised inside it."""
+    import copy
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    torch.manual_seed(0)
+    model = build_model("gated_deltanet", {**BILINEAR, "allow_neg_eigval": True}, 37).eval()
+    ids = torch.randint(0, 37, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+        twin = copy.deepcopy(model)
+        for module in model.modules():  # change the original: its copy must not follow it
+            if hasattr(module, "A_log"):
+                module.A_log.add_(1.0)
+        torch.testing.assert_close(twin(ids).logits, expected)
+        assert not torch.allclose(model(ids).logits, expected)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the rule failed")
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", failing)
+    with pytest.raises(RuntimeError, match="the rule failed"):
+        model(ids)
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is failing
