@@ -44,11 +44,14 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW parameter groups ``[{"params": decay, "weight_decay": weight_decay}, {"params": no_decay,
-    "weight_decay": 0.0}]`` for any model of ``build_model``: the model's own ``optimizer_groups`` when it has one
-    (the bilinear LM), else weight decay on ``nn.Linear`` / ``nn.Embedding`` weights only (not on norms, biases,
-    convolutions, recurrent weights or SSM parameters). Tied weights appear once; frozen ones are left out."""
-    if hasattr(model, "optimizer_groups"):
-        return model.optimizer_groups(weight_decay)
+    "weight_decay": 0.0}]`` (nanoGPT's ``configure_optimizers``) for any model of ``build_model``: the bilinear LM's
+    rules (:func:`bilinear_optimizer_groups`), else weight decay on ``nn.Linear`` / ``nn.Embedding`` weights only
+    (not on norms, biases, convolutions, recurrent weights or SSM parameters). Tied weights appear once; frozen ones
+    are left out."""
+    from .modeling.modeling_bilinear import BilinearPreTrainedModel
+
+    if isinstance(model, BilinearPreTrainedModel):
+        return bilinear_optimizer_groups(model, weight_decay)
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -57,6 +60,38 @@ def optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             seen.add(id(param))
             is_matrix = isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight"
             (decay if is_matrix else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def bilinear_optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The bilinear LM's AdamW groups. Decayed: the projection and embedding matrices (``nn.Linear`` /
+    ``nn.Embedding`` weights), the transitions' weights but their ``factor_bias`` (the input factors' offset, 1 at
+    init) and the short convolution's weight. Not decayed: norm weights (including the state norm's scale),
+    ``factor_bias``, ``h_start`` (the output is invariant to its scale), the memory heads' decay parameters
+    (``A_log``, ``dt_bias``) and linear biases. A parameter that no rule names is an error, so a new one gets a
+    decision."""
+    from .modeling.modeling_bilinear import (BilinearMemory, BilinearMixer, BilinearRMSNorm, BilinearShortConv,
+                                             BilinearStateNorm)
+    from .modeling.transitions import Transition
+
+    decay, no_decay, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if (isinstance(module, (nn.Linear, nn.Embedding, BilinearShortConv)) and name == "weight") or \
+                    (isinstance(module, Transition) and name != "factor_bias"):
+                decay.append(param)
+            elif (isinstance(module, (BilinearRMSNorm, BilinearStateNorm)) and name == "weight") or \
+                    (isinstance(module, Transition) and name == "factor_bias") or \
+                    (isinstance(module, BilinearMixer) and name == "h_start") or \
+                    (isinstance(module, BilinearMemory) and name in ("A_log", "dt_bias")) or \
+                    (isinstance(module, nn.Linear) and name == "bias"):
+                no_decay.append(param)
+            else:
+                raise ValueError(f"optimizer_groups: no weight-decay rule for parameter "
+                                 f"{module_name + '.' if module_name else ''}{name}; add one")
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
 from bilinear_lm.evaluation import perplexity as ppl
 from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
-from bilinear_lm.modeling.modeling_bilinear import BilinearLayerCache
+from bilinear_lm.modeling.cache_bilinear import BilinearLayerCache
 from bilinear_lm.modeling.transformers_compat import returned_cache
 
 EOS = 3
@@ -45,6 +45,17 @@ def left_padded(vocab_size, lengths, seed=0):
 
 
 def test_the_cache_is_transformers_dynamic_cache_with_one_layer_type_per_layer(tiny_bilinear_config):
+    """transformers' caches build each layer's cache from its layer type: ours from the "bilinear" entries that
+    cache_bilinear.register_layer_type adds to transformers' mappings (transformers has no registration for
+    linear-attention layers): a change of those mappings underneath fails here."""
+    from transformers.cache_utils import StaticLayer
+
+    from bilinear_lm.modeling.cache_bilinear import (BilinearStaticCache, BilinearStaticLayerCache,
+                                                     BilinearStaticSlidingWindowLayer)
+
+    static = BilinearStaticCache(hybrid_config(tiny_bilinear_config), max_cache_len=16)
+    assert [type(layer) for layer in static.layers] == [BilinearStaticLayerCache, StaticLayer,
+                                                        BilinearStaticSlidingWindowLayer, BilinearStaticLayerCache]
     model = build(hybrid_config(tiny_bilinear_config))
     ids = torch.randint(4, 60, (2, 8))
     with torch.no_grad():

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..modeling.modeling_bilinear import check_token_ids
+from ..modeling.input_checks import check_token_ids
 from ..modeling.transformers_compat import cache_argument, returned_cache
 from ..utils import eval_mode
 

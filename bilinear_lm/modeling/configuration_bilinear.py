@@ -75,7 +75,7 @@ class BilinearConfig(PreTrainedConfig):
     of size `hidden_size / num_attention_heads`, `rope_theta` or `rope_parameters`); a sliding layer attends to the
     last `sliding_window` positions (itself included). `use_rope=False` leaves the attention layers without any
     positional encoding (NoPE, as Jamba's: the bilinear layers are ordered and give the positions); it is what lets a
-    hybrid's attention generalize in length (docs/results.md, hybrids). The norms and the MLP are the bilinear
+    hybrid's attention generalize in length (docs/results-history.md, hybrids). The norms and the MLP are the bilinear
     blocks'.
     `interleaved_layer_types(num_hidden_layers, k)` puts attention on every k-th layer. With `reset_state_at_eos`
     the attention layers do not attend across an EOS either.

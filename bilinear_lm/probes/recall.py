@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..baselines import LSTMLanguageModel, build_model, optimizer_groups
-from ..modeling.modeling_bilinear import cache_layer_tensors
+from ..modeling.cache_bilinear import cache_layer_tensors
 from ..modeling.transformers_compat import returned_cache
 from ..utils import eval_mode
 from .config import option

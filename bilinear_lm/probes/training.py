@@ -59,7 +59,7 @@ def state_consistency_loss(states, labels: torch.Tensor, num_classes: int) -> to
     automaton state at lengths 2-10; its transitions then map those states onto each other, which holds at any
     length. Without it, the states of one automaton state drift apart with the history, slowly enough to pass at
     training lengths. The memory heads' read-outs get the same loss: without it, a memory that solves parity on
-    lengths 2-10 (and fails at 500) was learnt before the tracking heads' solution (docs/results.md, memory heads).
+    lengths 2-10 (and fails at 500) was learnt before the tracking heads' solution (docs/results-history.md, memory heads).
     """
     if not states or any(h.shape[:2] != labels.shape for h in states):
         raise ValueError(f"state consistency needs one [B, T, heads, state] tensor per bilinear layer (and per "

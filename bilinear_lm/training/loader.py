@@ -15,7 +15,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from ..modeling.modeling_bilinear import check_token_ids as check_vocabulary
+from ..modeling.input_checks import check_token_ids as check_vocabulary
 from .checkpoint import TrainState
 from .config import Config, TrainingInputError
 from .data import DEFAULT_TRAIN_FILE, build_tokenizer, builder_for, load_raw_text, tokenize_and_pack
