@@ -29,10 +29,10 @@ from bilinear_lm.evaluation.harness import run_harness
 from bilinear_lm.modeling.transitions import build_kernels
 from bilinear_lm.training import (Config, Data, DataError, DiskFullError, MetricsLog, StopOnSignal, Stopped,
                                   TrainingInputError, TrainState, append_metrics, bf16_cpu_warning, check_launch,
-                                  check_token_ids, disk_full_is_one_line, diverged_message, end_training, flat_config, load_data, load_data_state,
-                                  micro_batches, own_output_dir, params_identical_across_ranks, parse_config,
-                                  peak_rss_mib, plot_losses, read_metrics, run_summary, save_checkpoint,
-                                  unsharded_copy, write_model_card)
+                                  check_token_ids, disk_full_is_one_line, diverged_message, end_training, flat_config,
+                                  load_data, load_data_state, micro_batches, own_output_dir,
+                                  params_identical_across_ranks, parse_config, peak_rss_mib, plot_losses, read_metrics,
+                                  run_summary, save_checkpoint, unsharded_copy, write_model_card)
 from bilinear_lm.utils import eval_mode, keep_freed_memory
 
 

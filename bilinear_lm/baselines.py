@@ -120,33 +120,35 @@ def _mamba_config(hidden: int, layers: int, vocab_size: int, tie: bool) -> Mamba
                        bos_token_id=None, eos_token_id=None)
 
 
-def _mamba2_config(hidden: int, heads: int, layers: int, vocab_size: int, tie: bool) -> Mamba2Config:
-    """Mamba-2 with ``2 * heads`` heads of ``hidden / heads`` (expand 2), state 64, one group, convolution 4."""
-    return Mamba2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_heads=2 * heads,
-                        head_dim=hidden // heads, expand=2, state_size=64, n_groups=1, conv_kernel=4,
-                        tie_word_embeddings=tie, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+def mamba2_keys(hidden: int, heads: int, layers: int, tie: bool, **overrides) -> dict:
+    """``Mamba2Config`` keys (but ``vocab_size``) of the Mamba2 peer: ``2 * heads`` heads of ``hidden / heads``
+    (expand 2), state 64, one group, convolution 4; ``overrides`` (``chunk_size``, ``use_cache``) on top. The factory,
+    the probes and the recall harness all size it here."""
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_heads=2 * heads, head_dim=hidden // heads, expand=2,
+                state_size=64, n_groups=1, conv_kernel=4, tie_word_embeddings=tie, pad_token_id=None,
+                bos_token_id=None, eos_token_id=None, **overrides)
 
 
 # a bilinear layer type -> Qwen3.5's (its linear_attention layers are Gated DeltaNet)
 GATED_DELTANET_LAYER_TYPES = {"bilinear": "linear_attention", "full_attention": "full_attention"}
 
 
-def _gated_deltanet_config(hidden: int, heads: int, layer_types: list[str], vocab_size: int, tie: bool,
-                           allow_neg_eigval: bool) -> "GatedDeltaNetConfig":
-    """Gated DeltaNet layers of ``heads`` key heads of ``hidden / (2 heads)`` and value heads of ``hidden / heads``
-    (values twice the keys, as the paper's), convolution 4, the bilinear MLP's width, ``layer_types`` mapped by
-    ``GATED_DELTANET_LAYER_TYPES`` (attention: ``heads`` heads of ``hidden / heads``)."""
+def gated_deltanet_keys(hidden: int, heads: int, layer_types: list[str], tie: bool, **overrides) -> dict:
+    """``GatedDeltaNetConfig`` keys (but ``vocab_size``) of the Gated DeltaNet peer: layers of ``heads`` key heads of
+    ``hidden / (2 heads)`` and value heads of ``hidden / heads`` (values twice the keys, as the paper's), convolution
+    4, the bilinear MLP's width; the bilinear ``layer_types`` mapped by ``GATED_DELTANET_LAYER_TYPES`` (attention:
+    ``heads`` heads of ``hidden / heads``); ``overrides`` (``allow_neg_eigval``, ``intermediate_size``, ...) on top.
+    The factory, the probes and the recall harness all size it here."""
     unknown = sorted(set(layer_types) - set(GATED_DELTANET_LAYER_TYPES))
     if unknown:
         raise ValueError(f"gated_deltanet: layer type(s) {unknown} have no Qwen3.5 counterpart; use "
                          f"{sorted(GATED_DELTANET_LAYER_TYPES)}")
-    return GatedDeltaNetConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=swiglu_width(hidden),
-        num_hidden_layers=len(layer_types), layer_types=[GATED_DELTANET_LAYER_TYPES[t] for t in layer_types],
-        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
-        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=hidden // (2 * heads),
-        linear_value_head_dim=hidden // heads, linear_conv_kernel_dim=4, max_position_embeddings=4096,
-        tie_word_embeddings=tie, allow_neg_eigval=allow_neg_eigval)
+    return {**dict(hidden_size=hidden, intermediate_size=swiglu_width(hidden), num_hidden_layers=len(layer_types),
+                   layer_types=[GATED_DELTANET_LAYER_TYPES[t] for t in layer_types], num_attention_heads=heads,
+                   num_key_value_heads=heads, head_dim=hidden // heads, linear_num_key_heads=heads,
+                   linear_num_value_heads=heads, linear_key_head_dim=hidden // (2 * heads),
+                   linear_value_head_dim=hidden // heads, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+                   tie_word_embeddings=tie), **overrides}
 
 
 def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_size: int):
@@ -170,12 +172,12 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
         cls = LlamaForCausalLM
     elif model_type == "gated_deltanet":
         step = 2 * heads  # key heads of hidden / (2 heads); attention heads even for rotary embeddings
-        make = lambda h: _gated_deltanet_config(h, heads, bcfg.layer_types, vocab_size, tie,  # noqa: E731
-                                                allow_neg_eigval)
+        make = lambda h: GatedDeltaNetConfig(vocab_size=vocab_size, **gated_deltanet_keys(  # noqa: E731
+            h, heads, bcfg.layer_types, tie, allow_neg_eigval=allow_neg_eigval))
         cls = GatedDeltaNetForCausalLM
     elif model_type == "mamba2":
         step = heads
-        make = lambda h: _mamba2_config(h, heads, layers, vocab_size, tie)  # noqa: E731
+        make = lambda h: Mamba2Config(vocab_size=vocab_size, **mamba2_keys(h, heads, layers, tie))  # noqa: E731
         cls = Mamba2ForCausalLM
     else:
         step = 8

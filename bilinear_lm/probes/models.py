@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..baselines import build_model
+from ..baselines import build_model, gated_deltanet_keys, mamba2_keys
 from ..modeling.configuration_bilinear import MIXER_TYPES, interleaved_layer_types
 from ..modeling.transitions import TRANSITIONS
 from .config import ProbeConfig
@@ -78,18 +78,10 @@ def model_spec(name: str, config: ProbeConfig, num_symbols: int = 2) -> tuple[st
             raise ValueError(f"hidden_size {H} must be divisible by {'2 x ' if kind.startswith('gated') else ''}"
                              f"num_heads {heads} for {kind}")
         if kind.startswith("gated_deltanet"):
-            return "gated_deltanet", dict(
-                hidden_size=H, intermediate_size=4 * H, num_hidden_layers=L, layer_types=["linear_attention"] * L,
-                num_attention_heads=heads, num_key_value_heads=heads, head_dim=H // heads, linear_num_key_heads=heads,
-                linear_num_value_heads=heads, linear_key_head_dim=H // (2 * heads), linear_value_head_dim=H // heads,
-                linear_conv_kernel_dim=4, tie_word_embeddings=False, use_cache=False,
-                allow_neg_eigval=kind.endswith("_neg"))
-        if kind == "mamba2":
-            # chunks of 32 (transformers' default 256 pads every short probe sequence to 256: 25x the step time)
-            return "mamba2", dict(hidden_size=H, num_hidden_layers=L, num_heads=2 * heads, head_dim=H // heads,
-                                  expand=2, state_size=64, n_groups=1, conv_kernel=4, chunk_size=32,
-                                  tie_word_embeddings=False, use_cache=False, pad_token_id=None, bos_token_id=None,
-                                  eos_token_id=None)
+            return "gated_deltanet", gated_deltanet_keys(H, heads, ["bilinear"] * L, tie=False, intermediate_size=4 * H,
+                                                         use_cache=False, allow_neg_eigval=kind.endswith("_neg"))
+        if kind == "mamba2":  # chunks of 32: transformers' 256 pads every short probe sequence to 256
+            return "mamba2", mamba2_keys(H, heads, L, tie=False, chunk_size=32, use_cache=False)
         if kind == "transformer":
             return "llama", dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=L, num_attention_heads=heads,
                                  num_key_value_heads=heads, max_position_embeddings=max(2048, config.max_length + 1),

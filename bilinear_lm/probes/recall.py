@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..baselines import LSTMLanguageModel, build_model, optimizer_groups
+from ..baselines import LSTMLanguageModel, build_model, gated_deltanet_keys, mamba2_keys, optimizer_groups
 from ..modeling.cache_bilinear import cache_layer_tensors
 from ..modeling.transformers_compat import returned_cache
 from ..utils import eval_mode
@@ -165,18 +165,11 @@ def recall_model(name: str, config: RecallConfig):
                    max_position_embeddings=c.seq_len, tie_word_embeddings=False, use_cache=False)
         return build_model("llama", cfg, c.vocab_size, match_bilinear=False)
     if name in ("gated_deltanet", "gated_deltanet-neg"):
-        H, heads = c.hidden_size, c.num_heads
-        cfg = dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=c.num_layers,
-                   layer_types=["linear_attention"] * c.num_layers, num_attention_heads=heads,
-                   num_key_value_heads=heads, head_dim=H // heads, linear_num_key_heads=heads,
-                   linear_num_value_heads=heads, linear_key_head_dim=H // (2 * heads), linear_value_head_dim=H // heads,
-                   linear_conv_kernel_dim=4, tie_word_embeddings=False, allow_neg_eigval=name.endswith("-neg"))
+        cfg = gated_deltanet_keys(c.hidden_size, c.num_heads, ["bilinear"] * c.num_layers, tie=False,
+                                  intermediate_size=4 * c.hidden_size, allow_neg_eigval=name.endswith("-neg"))
         return build_model("gated_deltanet", cfg, c.vocab_size, match_bilinear=False)
-    if name == "mamba2":
-        cfg = dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_heads=2 * c.num_heads,
-                   head_dim=c.hidden_size // c.num_heads, expand=2, state_size=64, n_groups=1, conv_kernel=4,
-                   chunk_size=64,  # transformers' 256 would pad a sequence of 64 to 256
-                   tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if name == "mamba2":  # chunks of 64: transformers' 256 would pad a sequence of 64 to 256
+        cfg = mamba2_keys(c.hidden_size, c.num_heads, c.num_layers, tie=False, chunk_size=64)
         return build_model("mamba2", cfg, c.vocab_size, match_bilinear=False)
     if name == "lstm":
         return build_model("lstm", dict(hidden_size=c.hidden_size, num_layers=c.num_layers), c.vocab_size,
