@@ -12,8 +12,14 @@ sample, lm-eval) -> main: the config, the output folder this run owns (`bilinear
 signals that stop it (`bilinear_lm.training.stopping`), then run: the data (`bilinear_lm.training.loader`), then the
 parts above in that order -> the command line.
 """
-import math
 import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # the help, without loading the training stack
+    from bilinear_lm.training.config import ConfigParser
+
+    sys.exit(ConfigParser().print_help())
+
+import math
 import time
 from pathlib import Path
 

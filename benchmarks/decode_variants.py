@@ -2,7 +2,7 @@
 
 Every variant runs the same module code; they differ in what the kernels take over: the projections (the compiled
 GEMV through ``dispatch.linear``, else ``F.linear``) and the state step (the compiled ``cp_step``, else
-``recurrence.reference_step`` in PyTorch). Repetitions interleave the variants, so machine drift hits all alike.
+``bilinear_reference.reference_step`` in PyTorch). Repetitions interleave the variants, so machine drift hits all alike.
 
     python benchmarks/decode_variants.py --sizes 3M,25M --context 1024 --new-tokens 128 --reps 3
 """

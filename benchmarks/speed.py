@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
 from bilinear_lm.baselines import build_model, count_parameters
+from bilinear_lm.modeling import cpu_allocator
 from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 from bilinear_lm.modeling.dispatch import cp_recurrence
 from bilinear_lm.modeling.transformers_compat import CACHE_NAME, returned_cache
@@ -483,9 +484,11 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--alloc-ops", type=int, default=12, help="alloc: the ops listed per model (most faults first)")
-    parser.add_argument("--malloc", choices=("kept", "default"), default="kept",
-                        help="kept (default): bilinear_lm.utils.keep_freed_memory() first, as train.py; default: "
-                             "glibc's own settings, as in a library user's process")
+    parser.add_argument("--malloc", choices=("kept", "model", "default"), default="kept",
+                        help="kept (default): bilinear_lm.utils.keep_freed_memory() first, as train.py; model: "
+                             "glibc's own settings until the model's first training forward on CPU applies it (a "
+                             "library user's process); default: glibc's own settings throughout "
+                             "(BILINEAR_LM_KEEP_FREED_MEMORY=0)")
     parser.add_argument("--compile-cache", action="store_true",
                         help="compiled: keep Inductor's on-disk caches (default: a fresh one, a cold first call)")
     parser.add_argument("--baseline-tree", type=Path,
@@ -502,7 +505,9 @@ def main(argv=None):
     if args.baseline_tree and not (args.baseline_tree / "benchmarks" / "speed.py").is_file():
         parser.error(f"--baseline-tree: {args.baseline_tree} has no benchmarks/speed.py; pass a checkout of this "
                      "repository (git worktree add --detach DIR COMMIT)")
-    kept = args.malloc == "kept" and keep_freed_memory()  # as train.py
+    if args.malloc == "default":
+        os.environ[cpu_allocator.OPT_OUT_ENV] = "0"
+    kept = keep_freed_memory() if args.malloc == "kept" else args.malloc == "model" and "from the first training step"
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "
                f"ATen capability {torch.backends.cpu.get_cpu_capability()}, malloc keeps freed memory: {kept}")

@@ -201,7 +201,7 @@ def test_a_tensor_count_steps_as_the_python_count_and_compiles_once():
     boundary and the overflow guard select their factor with ``where``, bit for bit eager mode's ``if``, and compiled
     at every offset from one program (padding, a restart, one row far out of range)."""
     from bilinear_lm.modeling.dispatch import recurrence
-    from bilinear_lm.modeling.recurrence import CPTransition
+    from bilinear_lm.modeling.bilinear_reference import CPTransition
 
     g = torch.Generator().manual_seed(0)
     B, N, H, R = 4, 2, 6, 5

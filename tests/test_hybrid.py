@@ -13,7 +13,6 @@ from bilinear_lm.modeling.configuration_bilinear import interleaved_layer_types
 from bilinear_lm.modeling.cache_bilinear import BilinearLayerCache
 from bilinear_lm.modeling.transformers_compat import returned_cache
 
-EOS = 3
 WINDOW = 3
 
 
@@ -208,39 +207,6 @@ def test_generate_returns_the_attention_weights_of_every_step(tiny_bilinear_conf
             assert got.shape[2] == 1
             expected = row if layer_pos == 0 else row[..., -WINDOW:]
             torch.testing.assert_close(got[:, :, 0], expected)
-
-
-def _packed_documents(vocab_size, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(4, vocab_size, (n,), generator=g) for n in lengths]
-    return docs, torch.cat([torch.cat([d, torch.tensor([EOS])]) for d in docs])
-
-
-def test_reset_at_eos_equals_running_each_document_alone(tiny_bilinear_config):
-    """With ``reset_state_at_eos`` the attention layers do not look past an EOS either."""
-    model = build(hybrid_config(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS))
-    docs, packed = _packed_documents(60, [7, 1, 12, 5])
-    with torch.no_grad():
-        logits = model(packed[None]).logits[0]
-        start = 0
-        for doc in docs:
-            alone = model(torch.cat([doc, torch.tensor([EOS])])[None]).logits[0]
-            torch.testing.assert_close(logits[start:start + len(doc) + 1], alone, rtol=1e-7, atol=1e-7)
-            start += len(doc) + 1
-
-
-def test_reset_at_eos_carries_across_cached_calls(tiny_bilinear_config):
-    model = build(hybrid_config(tiny_bilinear_config, reset_state_at_eos=True, eos_token_id=EOS))
-    _, packed = _packed_documents(60, [6, 3, 8], seed=1)
-    ids = torch.stack([packed, packed.roll(4)])
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :7], use_cache=True)  # ends on row 0's first EOS
-        pieces, cache = [out.logits], returned_cache(out)
-        assert cache.follows_eos.tolist() == [True, bool(ids[1, 6] == EOS)]
-        for t in range(7, ids.shape[1]):
-            pieces.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
 
 
 def test_a_short_mask_after_cached_tokens_is_refused_with_attention_layers(tiny_bilinear_config):

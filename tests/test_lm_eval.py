@@ -131,21 +131,6 @@ def test_the_test_data_is_made_from_tiny_shakespeare(small_data_dir):
         assert target.isalpha() and target in re.findall(r"[A-Za-z']+", " ".join(context))
 
 
-@pytest.mark.skipif(not os.environ.get(local.DATA_ENV), reason=f"opt-in: set {local.DATA_ENV} to the real data folder")
-def test_local_loaders_on_real_data():
-    """With the real data (WikiText-2 raw, LAMBADA OpenAI): the published document counts."""
-    wiki = local.load_wikitext2()
-    # EleutherAI/wikitext_document_level wikitext-2-raw-v1 has 60 validation and 62 test pages
-    assert (len(wiki["validation"]), len(wiki["test"])) == (60, 62)
-    assert wiki["test"][0]["page"].startswith(" = Robert Boulter = \n")
-    assert wiki["validation"][0]["page"].startswith(" = Homarus gammarus = \n")
-    raw = (Path(os.environ[local.DATA_ENV]) / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
-    assert "".join(wiki["test"]["page"]) == raw[raw.index(" = Robert Boulter"):]  # nothing lost
-    assert all(p.startswith(" = ") and not p.startswith(" = = ") for p in wiki["test"]["page"])
-    lam = local.load_lambada_openai()
-    assert len(lam["test"]) == 5153
-
-
 def test_loader_errors_name_the_env_var_and_the_layout(small_data_dir, tmp_path, monkeypatch):
     """One line each, naming what to set and the files it needs; no default folder is tried (not even a complete
     ../shared/data beside the current directory, the old default)."""

@@ -1,8 +1,8 @@
 """Memory heads (``BilinearConfig.memory_heads``): the projective gated delta rule's chunked form against its loop
 (fp64: outputs, memory, every gradient), the loop against the textbook gated delta rule, the memory's own
-normalization, and the model with memory heads (scale invariance, padding, decoding, every implementation's
-gradients). Generation with memory heads is tested with the other cached states in test_generation.py and
-test_compiled_decoding.py."""
+normalization, the decoding step's kernel, and the model with memory heads (scale invariance, fp32 against fp64, its
+initial bag). Resets, decoding, padding and every implementation's gradients: test_layouts.py, with the other
+layouts; generation: test_generation.py and test_compiled_decoding.py."""
 
 import copy
 
@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
-from bilinear_lm.modeling import delta_rule, modeling_bilinear
-from bilinear_lm.modeling.delta_rule import chunk_delta_rule
+from bilinear_lm import BilinearConfig, BilinearForCausalLM
+from bilinear_lm.modeling import delta_rule_chunk, dispatch, modeling_bilinear
+from bilinear_lm.modeling.delta_rule_chunk import chunk_delta_rule
 from bilinear_lm.modeling.dispatch import memory_recurrence
-from bilinear_lm.modeling.recurrence import reference_delta_rule
+from bilinear_lm.modeling.chunked_normalization import is_boundary
+from bilinear_lm.modeling.delta_rule_reference import delta_rule_step, reference_delta_rule
 from bilinear_lm.modeling.transformers_compat import returned_cache
 
 MEMORY = {"memory_heads": 2, "memory_key_size": 4, "memory_value_size": 3}
@@ -49,7 +50,7 @@ def run(fn, xs, *args):
 def test_chunked_form_equals_the_loop_fp64(block, chunk, offset, masked, reset, monkeypatch):
     """Outputs, final ``S`` and ``c`` and the gradients of every input (initial memory included) agree to rounding,
     with blocks shorter than and crossing the normalization chunks, padding, resets and an offset."""
-    monkeypatch.setattr(delta_rule, "BLOCK", block)
+    monkeypatch.setattr(delta_rule_chunk, "BLOCK", block)
     gen = torch.Generator().manual_seed(2)
     mask = torch.rand(2, 100, generator=gen) > 0.2 if masked else None
     resets = torch.rand(2, 100, generator=gen) > 0.9 if reset else None
@@ -57,6 +58,35 @@ def test_chunked_form_equals_the_loop_fp64(block, chunk, offset, masked, reset, 
     expected = run(reference_delta_rule, xs, mask, chunk, offset, resets)
     for got, want in zip(run(chunk_delta_rule, xs, mask, chunk, offset, resets), expected):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_eager_decoding_step_runs_the_kernel_equal_to_the_loop_step(dtype, tol, monkeypatch):
+    """One position without gradients, eager, runs the C++ ``delta_rule_step``: equal to the loop's
+    ``delta_rule_step`` with a padded row, a restarting row, a padded restarting row, and a chunk boundary (also
+    given by a 0-d tensor offset, a static cache's count), at key and value sizes of no SIMD width. A compiled step
+    runs the PyTorch step instead (Inductor fuses it), and so does a step with gradients."""
+    if dispatch.load_cpu_kernels is None or dispatch.load_cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    q, k, v, g, beta, S, c = (x.detach().to(dtype) for x in inputs(B=4, T=1, N=3, Dk=19, Dv=7))
+    mask, reset = torch.tensor([[1], [0], [1], [0]]), torch.tensor([[0], [0], [1], [1]], dtype=torch.bool)
+    calls = []
+    kernel = dispatch.load_cpu_kernels()
+    monkeypatch.setattr(dispatch, "load_cpu_kernels", lambda: type("Spy", (), {
+        "delta_rule_step": lambda self, *args: calls.append(1) or kernel.delta_rule_step(*args)})())
+    for chunk, offset in [(0, 0), (4, 3), (4, torch.tensor(3)), (4, 1)]:
+        with torch.no_grad():
+            o, (S1, c1) = memory_recurrence(q, k, v, g, beta, (S, c), mask, chunk, offset, "auto", reset)
+        (S2, c2), o2 = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], (S, c), mask[:, 0],
+                                       is_boundary(chunk, offset, 0), reset[:, 0])
+        for got, want in ((o[:, 0], o2), (S1, S2), (c1, c2)):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert len(calls) == 4
+    memory_recurrence(q, k, v, g, beta, (S, c), mask, 4, 3, "auto", reset)  # gradients on: the PyTorch step
+    with torch.no_grad():
+        torch.compile(memory_recurrence, backend="eager", fullgraph=True)(q, k, v, g, beta, (S, c), mask, 4,
+                                                                           torch.tensor(3), "auto", reset)
+    assert len(calls) == 4
 
 
 def test_the_loop_is_the_gated_delta_rule_with_negative_eigenvalues():
@@ -115,43 +145,6 @@ def test_memory_heads_are_scale_invariant():
             layer.recurrent_states[1] = layer.recurrent_states[1] * scale[:, None, None, None]
             layer.recurrent_states[2] = layer.recurrent_states[2] * scale[:, None]
         torch.testing.assert_close(model(ids[:, 10:], cache=cache).logits, expected, rtol=1e-12, atol=1e-12)
-
-
-def test_decoding_left_padding_and_resets_give_the_full_forward():
-    """Token-by-token decoding (the loop's step) and prefill + decoding equal one full forward (the chunked form),
-    with documents reset at EOS and a short convolution on the mixer input; a left-padded row equals its row alone."""
-    model = build({"conv_width": 3, "reset_state_at_eos": True, "eos_token_id": 5})
-    ids = torch.randint(6, 67, (2, 30))
-    ids[0, 10], ids[1, 20] = 5, 5
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = BilinearCache(model.config)
-        steps = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(30)], dim=1)
-        cache = BilinearCache(model.config)
-        split = torch.cat([model(ids[:, :13], cache=cache).logits,
-                           model(ids[:, 13:], cache=cache).logits], dim=1)
-        padded = torch.cat([torch.zeros(1, 7, dtype=torch.long), ids[1:, :23]], dim=1)
-        mask = torch.ones_like(padded)
-        mask[:, :7] = 0
-        padded_logits = model(padded, attention_mask=mask).logits
-    torch.testing.assert_close(steps, full, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(split, full, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(padded_logits[0, 7:], full[1, :23], rtol=1e-12, atol=1e-12)
-
-
-def test_every_recurrence_impl_gives_the_reference_model_gradients():
-    """The chunked form (every impl but ``reference``) gives the loop's loss and gradients, with padding."""
-    ids = torch.randint(0, 67, (2, 70))
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    grads = []
-    for impl in ("reference", "torch", "auto"):
-        model = build({"recurrence_impl": impl}).train()
-        model(ids, attention_mask=mask, labels=ids).loss.backward()
-        grads.append({name: p.grad for name, p in model.named_parameters()})
-    for other in grads[1:]:
-        for name in grads[0]:
-            torch.testing.assert_close(other[name], grads[0][name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_long_fp32_forward_stays_close_to_fp64():

@@ -11,13 +11,8 @@ from bilinear_lm.modeling.configuration_bilinear import MIXER_TYPES, RECURRENCE_
 from bilinear_lm.modeling.modeling_bilinear import BilinearMixer
 from bilinear_lm.modeling.dispatch import cp_recurrence, recurrence
 from bilinear_lm.modeling.transitions import TRANSITIONS
-from bilinear_lm.modeling.recurrence import (
-    CPTransition,
-    cp_transition,
-    is_boundary,
-    reference_recurrence,
-    reference_step,
-)
+from bilinear_lm.modeling.bilinear_reference import CPTransition, cp_transition, reference_recurrence, reference_step
+from bilinear_lm.modeling.chunked_normalization import is_boundary
 
 
 def explicit_matrix_loop(matrices, h0, mask, chunk, offset):

@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from bilinear_lm.modeling import scan, scan_triton  # noqa: E402
+from bilinear_lm.modeling import bilinear_scan as scan  # noqa: E402
+from bilinear_lm.modeling import bilinear_scan_triton as scan_triton  # noqa: E402
 from bilinear_lm.modeling.dispatch import cp_recurrence  # noqa: E402
-from bilinear_lm.modeling.recurrence import cp_transition, reference_recurrence  # noqa: E402
+from bilinear_lm.modeling.bilinear_reference import cp_transition, reference_recurrence  # noqa: E402
 
 
 def relative_error(a, b):
@@ -29,7 +30,7 @@ SM90_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from bilinear_lm.modeling import scan_triton as ts
+    from bilinear_lm.modeling import bilinear_scan_triton as ts
 
     common = {"keep_ptr": "*i8", "restart_ptr": "*i8"}
     forward = {**{a: "*fp32" for a in ["u_ptr", "mt_ptr", "w1t_ptr", "p0_ptr", "p_start_ptr", "G_ptr", "P_ptr",

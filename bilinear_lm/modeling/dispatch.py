@@ -1,15 +1,16 @@
 """The one place that decides how a recurrence runs.
 
 * :func:`recurrence` runs a sequence, ``(map, factors, h0, mask, chunk, offset, impl, ...) -> (states, final)``:
-  a CP map (:class:`~.recurrence.CPTransition`, no additive input) takes a rank-space scan, every other map the
-  reference loop, and a single position (decoding) one :func:`~.recurrence.reference_step` (for a CP map on CPU
+  a CP map (:class:`~.bilinear_reference.CPTransition`, no additive input) takes a rank-space scan, every other map the
+  reference loop, and a single position (decoding) one :func:`~.bilinear_reference.reference_step` (for a CP map on CPU
   without gradients, eager, its C++ twin ``cp_step``; inside a compiled decoding step the PyTorch ops, which Inductor
   fuses with the rest of the step).
   :func:`resolve_impl` picks the scan: ``"cpp"`` (the C++ CPU scan, ``bilinear_lm.kernels.cpu``, where the package
-  is installed; CPU fp32/fp64), ``"triton"`` (``scan_triton``, CUDA; imported only when chosen), ``"torch"``
-  (``scan``, any device) or ``"reference"`` (the loop itself).
-* :func:`memory_recurrence` runs the memory heads' gated delta rule: the chunked form (``delta_rule``) for a sequence,
-  the loop's step for one position or ``impl="reference"``.
+  is installed; CPU fp32/fp64), ``"triton"`` (``bilinear_scan_triton``, CUDA; imported only when chosen), ``"torch"``
+  (``bilinear_scan``, any device) or ``"reference"`` (the loop itself).
+* :func:`memory_recurrence` runs the memory heads' gated delta rule: the chunked form (``delta_rule_chunk``) for a
+  sequence; one position as the bilinear step does, the C++ ``delta_rule_step`` in eager decoding on CPU, else the
+  loop's PyTorch step; ``impl="reference"``: the loop.
 * :func:`cp_recurrence` is the CP entry with the scan's signature ``(u, W1, W2, h0, mask, chunk, offset)``.
 * :func:`linear` is how the modules apply their projections: an eager decoding step's few CPU rows take the C++
   GEMV (the layers stay plain ``nn.Linear``, so adapters such as LoRA keep working); a compiled one ``layer(x)``,
@@ -32,12 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_bilinear import RECURRENCE_IMPLS as IMPLS
-from .delta_rule import chunk_delta_rule
-from .recurrence import SAFE_MAX, SAFE_MIN, CPTransition, is_boundary, reference_delta_rule, reference_recurrence, \
-    reference_step
-from .scan import scan_backward as torch_scan_backward
-from .scan import scan_forward as torch_scan_forward
-from .scan import sequence_major
+from .bilinear_reference import CPTransition, reference_recurrence, reference_step
+from .bilinear_scan import scan_backward as torch_scan_backward
+from .bilinear_scan import scan_forward as torch_scan_forward
+from .bilinear_scan import sequence_major
+from .chunked_normalization import SAFE_MAX, SAFE_MIN, is_boundary
+from .delta_rule_chunk import chunk_delta_rule
+from .delta_rule_reference import reference_delta_rule
 
 try:  # the compiled CPU kernels ship with the package; remote code (save_pretrained) runs PyTorch without them
     from bilinear_lm.kernels.cpu import load as load_cpu_kernels
@@ -143,7 +145,7 @@ def resolve_impl(impl: str, u: torch.Tensor, rank: int, state_size: int) -> str:
 
 @torch.compiler.assume_constant_result
 def _triton_available(device_type: str) -> bool:
-    from .scan_triton import available  # imported only here: CPU-only use never loads Triton
+    from .bilinear_scan_triton import available  # imported only here: CPU-only use never loads Triton
 
     return available(device_type)
 
@@ -154,7 +156,7 @@ def _scan_functions(impl: str):
         kernel = load_cpu_kernels()
         return partial(kernel.scan_forward, safe_min=SAFE_MIN, safe_max=SAFE_MAX), kernel.scan_backward
     if impl == "triton":
-        from .scan_triton import scan_backward, scan_forward
+        from .bilinear_scan_triton import scan_backward, scan_forward
 
         return scan_forward, scan_backward
     return torch_scan_forward, torch_scan_backward
@@ -164,7 +166,7 @@ def _scan_functions(impl: str):
 def cp_scan(u: torch.Tensor, Mt: torch.Tensor, p0: torch.Tensor, keep: torch.Tensor, W1: torch.Tensor, chunk: int,
             offset: int, restart: torch.Tensor, p_start: torch.Tensor,
             impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rank-space scan ``(G, P, S)`` of ``scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
+    """The rank-space scan ``(G, P, S)`` of ``bilinear_scan.scan_forward``, run by ``impl`` (torch, cpp or triton)."""
     # A tuple, as the schema says: the C++ function returns a list, and torch 2.14 attaches no autograd to a list
     # (the outputs had no grad_fn: W2, factor_bias and h_start never trained).
     return tuple(_scan_functions(impl)[0](u, Mt, W1, keep, p0, chunk, offset, restart, p_start))
@@ -180,7 +182,7 @@ def _(u, Mt, p0, keep, W1, chunk, offset, restart, p_start, impl):
 def cp_scan_backward(dG: torch.Tensor, u: torch.Tensor, S: torch.Tensor, P: torch.Tensor, p0: torch.Tensor,
                      p_start: torch.Tensor, MtT: torch.Tensor, keep: torch.Tensor, restart: torch.Tensor,
                      impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scan's reverse loop: ``(du, DP, dp0, dp_start)`` of ``scan.scan_backward``."""
+    """The scan's reverse loop: ``(du, DP, dp0, dp_start)`` of ``bilinear_scan.scan_backward``."""
     return tuple(_scan_functions(impl)[1](dG, u, S, P, p0, p_start, MtT, keep, restart))
 
 
@@ -318,7 +320,7 @@ def cp_recurrence(u, W1, W2, h0, mask=None, chunk: int = 64, offset: int = 0, im
 
     Args:
         u: ``[B, T, N, R]`` input factors. W1, W2: ``[N, H, R]``. h0: ``[N, H]`` or ``[B, N, H]``.
-        mask, chunk, offset, reset: as in :func:`~.recurrence.reference_recurrence`. h_start: ``[N, H]``.
+        mask, chunk, offset, reset: as in :func:`~.bilinear_reference.reference_recurrence`. h_start: ``[N, H]``.
         impl: see :func:`resolve_impl`.
     Returns:
         ``(states [B, T, N, H], final [B, N, H])``.
@@ -354,9 +356,9 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
                additive=None, reset=None, h_start=None):
     """Run a mixer's recurrence over a sequence: ``(states [B, T, N, H], final [B, N, H])``.
 
-    ``transition``: a :class:`~.recurrence.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; ``h_start``:
-    ``[N, H]``; the other arguments as in :func:`~.recurrence.reference_recurrence`, ``offset`` an int or a 0-d tensor
-    (a static cache's count). A single position runs one :func:`~.recurrence.reference_step` (its overflow guard on
+    ``transition``: a :class:`~.bilinear_reference.CPTransition` or any map ``(h, factors_t) -> A(x_t) h``; ``h_start``:
+    ``[N, H]``; the other arguments as in :func:`~.bilinear_reference.reference_recurrence`, ``offset`` an int or a 0-d tensor
+    (a static cache's count). A single position runs one :func:`~.bilinear_reference.reference_step` (its overflow guard on
     whenever ``chunk > 0``; a tensor offset makes its boundary test a tensor op, nothing for a compiled step to branch
     on), or for the CP map on CPU without gradients outside a compiled graph (eager decoding) the C++ ``cp_step``;
     longer sequences of the CP map without additive input run a rank-space scan, every other one the reference loop
@@ -393,9 +395,20 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
 def memory_recurrence(q, k, v, g, beta, memory, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto",
                       reset=None):
     """Run the memory heads over a sequence: ``(outputs [B, T, N, Dv], (S, c))`` as
-    :func:`~.recurrence.reference_delta_rule` (same arguments; ``offset`` an int or a 0-d tensor). ``impl="reference"``
-    and a single position run its loop (a tensor offset stays a tensor: nothing for a compiled step to branch on);
-    every other ``impl`` the chunked PyTorch form (``delta_rule.chunk_delta_rule``), on any device."""
+    :func:`~.delta_rule_reference.reference_delta_rule` (same arguments; ``offset`` an int or a 0-d tensor).
+    ``impl="reference"`` runs its loop; a single position runs one step: without gradients on CPU outside a compiled
+    graph (eager decoding; fp32/fp64, the kernels loaded, ``impl`` auto or cpp) the C++ ``delta_rule_step``, else the
+    loop's PyTorch step (in a compiled step Inductor fuses it with the rest of the step: faster than the kernel as a
+    custom op there; a tensor offset stays a tensor, nothing to branch on); every other ``impl`` the chunked PyTorch
+    form (``delta_rule_chunk.chunk_delta_rule``), on any device."""
+    if q.shape[1] == 1 and impl in ("auto", "cpp") and not torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling() and _cpu_kernels_run_on(q):  # the C++ step (eager decoding)
+        empty = torch.empty(0, dtype=torch.bool)
+        S, c, o = load_cpu_kernels().delta_rule_step(
+            *(x[:, 0].contiguous() for x in (q, k, v, g, beta)), memory[0].contiguous(), memory[1].contiguous(),
+            empty if mask is None else mask[:, 0].bool().contiguous(),
+            empty if reset is None else reset[:, 0].bool().contiguous(), bool(is_boundary(chunk, offset, 0)))
+        return o[:, None], (S, c)
     if impl == "reference" or q.shape[1] == 1:
         return reference_delta_rule(q, k, v, g, beta, memory, mask, chunk, offset, reset)
     return chunk_delta_rule(q, k, v, g, beta, memory, mask, chunk, int(offset), reset)

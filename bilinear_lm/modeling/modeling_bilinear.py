@@ -24,6 +24,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_bilinear import BilinearCache, BilinearCacheMixin, BilinearStaticCache
 from .configuration_bilinear import BilinearConfig
+from .cpu_allocator import keep_freed_memory_when_training
 from .dispatch import linear, memory_recurrence, rms_norm, state_norm, swiglu
 from .input_checks import check_attention_mask, check_input_ids, check_labels
 from .transformers_compat import CACHE_NAME, returned_cache, takes_cache
@@ -96,7 +97,10 @@ class BilinearShortConv(nn.Module):
             window = x.new_zeros(B, width - 1, D)
         full = torch.cat([window.to(x.dtype), x], dim=1)
         if reset is None:
-            y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=D).transpose(1, 2)
+            if T == 1:  # a decoding step: one dot product per channel (conv1d's setup costs ~20x more here)
+                y = (full * self.weight[:, 0].t().to(x.dtype)).sum(1, keepdim=True)
+            else:
+                y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=D).transpose(1, 2)
             return x + y, full[:, T:]
         # Document index of every position (the window's are 0): a tap counts only within its position's document.
         doc = torch.cat([reset.new_zeros(B, width - 1, dtype=torch.long), reset.long().cumsum(1)], dim=1)
@@ -112,7 +116,7 @@ BETA_SHIFT = 3.0  # beta = 2 sigmoid(b - BETA_SHIFT): 0.095 at init, a weak writ
 
 class BilinearMemory(nn.Module):
     """The memory heads of a bilinear mixer (``config.memory_heads``): a projective gated delta rule
-    (``recurrence.reference_delta_rule``) on queries, keys and values from a short causal convolution (SiLU; queries
+    (``delta_rule_reference.reference_delta_rule``) on queries, keys and values from a short causal convolution (SiLU; queries
     and keys plus :data:`KEY_OFFSET`, then to unit norm), ``alpha = exp(-exp(A_log) softplus(a + dt_bias))`` in
     ``(0, 1]``, ``beta = 2 sigmoid(b - BETA_SHIFT)`` in ``(0, 2)``, the read-out ``S q / c`` RMS-normalized per head
     (not gated).
@@ -405,6 +409,29 @@ def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
     return reset, torch.where(last >= 0, last_is_eos, before)
 
 
+def packed_document_starts(B: int, T: int, position_ids=None, cu_seq_lens_q=None, seq_idx=None):
+    """``[B, T]`` bool: where a document of a padding-free packed row starts after the row's first position (the form
+    transformers' ``DataCollatorWithFlattening`` gives: ``position_ids`` restarting at 0, the offsets
+    ``cu_seq_lens_q`` of a single row, or ``seq_idx`` changing); None where none is given or, outside a compiled
+    graph, none restarts (nothing changes then)."""
+    if T < 2:
+        return None
+    if seq_idx is not None:
+        starts = torch.cat([torch.zeros_like(seq_idx[:, :1], dtype=torch.bool), seq_idx[:, 1:] != seq_idx[:, :-1]], 1)
+    elif cu_seq_lens_q is not None:
+        starts = torch.zeros(1, T, dtype=torch.bool, device=cu_seq_lens_q.device)
+        offsets = cu_seq_lens_q.long()
+        starts[0, offsets[(offsets > 0) & (offsets < T)]] = True
+    elif position_ids is not None:
+        starts = position_ids == 0
+        starts[..., 0] = False
+    else:
+        return None
+    if not torch.compiler.is_compiling() and not bool(starts.any()):
+        return None
+    return starts.expand(B, T)
+
+
 class BilinearPreTrainedModel(PreTrainedModel):
     config: BilinearConfig
     config_class = BilinearConfig
@@ -464,9 +491,9 @@ class BilinearModel(BilinearPreTrainedModel):
     def attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, document_start, offset=0):
         """transformers' mask for each attention layer type present (``{"full_attention": ...,
         "sliding_attention": ...}``) from the whole sequence's 2D ``attention_mask`` (with a
-        :class:`BilinearStaticCache`: this call's, the cache keeping the earlier positions'); ``document_start``
-        (``[B, T]`` absolute positions, or None) restricts each query to the keys of its own document; ``offset``: the
-        positions consumed before this call."""
+        :class:`BilinearStaticCache`: this call's, the cache keeping the earlier positions'); ``position_ids``: the
+        consecutive positions of this call's tokens; ``document_start`` (``[B, T]`` absolute positions, or None)
+        restricts each query to the keys of its own document; ``offset``: the positions consumed before this call."""
         same_document = None
         if document_start is not None:
             def same_document(batch_idx, head_idx, q_idx, kv_idx):
@@ -511,6 +538,8 @@ class BilinearModel(BilinearPreTrainedModel):
         elif 0 in inputs_embeds.shape[:2]:
             raise ValueError("BilinearModel.forward: inputs_embeds has no rows or no positions (shape "
                              f"{tuple(inputs_embeds.shape)}); pass at least one row of at least one position")
+        if self.training:
+            keep_freed_memory_when_training(inputs_embeds)  # once per process (cpu_allocator: why, and the opt-out)
         output_hidden_states = output_hidden_states if output_hidden_states is not None \
             else self.config.output_hidden_states
         if use_cache is None:
@@ -537,10 +566,13 @@ class BilinearModel(BilinearPreTrainedModel):
             # test reads the mask's values, a data-dependent branch a graph cannot hold; the masked path is exact.
             if not torch.compiler.is_compiling() and bool(mask.all()):
                 mask = None
-        reset = None
+        # Documents start after an EOS (reset_state_at_eos) and where a padding-free packed row says so: every
+        # recurrent state restarts there, and the attention layers look no further back.
+        reset = packed_document_starts(B, T, position_ids, kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"))
         if self.config.reset_state_at_eos and input_ids is not None:
-            reset, follows_eos = document_starts(
+            at_eos, follows_eos = document_starts(
                 input_ids, self.config.eos_token_id, mask, None if cache is None else cache.follows_eos)
+            reset = at_eos if reset is None else reset | at_eos
             if cache is not None:
                 cache.carry("follows_eos", follows_eos)
 
@@ -549,13 +581,17 @@ class BilinearModel(BilinearPreTrainedModel):
             if position_ids is None:
                 position_ids = positions.expand(B, T)
             document_start = None
-            if reset is not None:
-                carried = cache.document_start if cache is not None \
-                    and cache.document_start is not None else reset.new_zeros(B, dtype=torch.long)
-                document_start = torch.maximum(torch.where(reset, positions, -1).cummax(dim=1).values, carried[:, None])
+            carried = None if cache is None else cache.document_start
+            if reset is not None or carried is not None:
+                if carried is None:
+                    carried = torch.zeros(B, dtype=torch.long, device=inputs_embeds.device)
+                document_start = carried[:, None].expand(B, T) if reset is None else \
+                    torch.maximum(torch.where(reset, positions, -1).cummax(dim=1).values, carried[:, None])
                 if cache is not None:
                     cache.carry("document_start", document_start[:, -1])
-            masks = self.attention_masks(inputs_embeds, attention_mask, cache, position_ids, document_start,
+            # The masks get the consecutive positions: documents are marked by document_start, never by transformers'
+            # own detection of restarting position_ids (which remaps the indices the document test reads).
+            masks = self.attention_masks(inputs_embeds, attention_mask, cache, positions.expand(B, T), document_start,
                                          offset)
             position_embeddings = (None if self.rotary_emb is None  # use_rope=False
                                    else self.rotary_emb(inputs_embeds, position_ids))

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .dispatch import cpu_kernels_available, recurrence
-from .recurrence import CPTransition, block_diagonal_transition, diagonal_transition, full_transition, \
+from .bilinear_reference import CPTransition, block_diagonal_transition, diagonal_transition, full_transition, \
     rotation_transition
 
 
@@ -73,7 +73,7 @@ class Transition(nn.Module):
 
     def map(self, dtype):
         """The map ``(h [B, N, H], u_t [B, N, F]) -> A(u_t) h`` with the weights cast to ``dtype`` once
-        (a :class:`~.recurrence.CPTransition` where the fast rank-space scans apply)."""
+        (a :class:`~.bilinear_reference.CPTransition` where the fast rank-space scans apply)."""
         raise NotImplementedError
 
     def matrices(self, u):

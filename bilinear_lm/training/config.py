@@ -28,11 +28,14 @@ from transformers.hf_argparser import HfArg, string_to_bool
 from bilinear_lm import BilinearConfig
 from bilinear_lm.baselines import MODEL_TYPES, PEER_MODEL_KEYS
 
-from .data import default_num_proc
-
 logger = logging.getLogger(__name__)
 MODEL_PREFIX = "--model."
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
+
+
+def default_num_proc() -> int:
+    """Processes for tokenizing: the CPU cores this process may use, at most 8."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
 class TrainingInputError(ValueError):

@@ -31,6 +31,8 @@ import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 from datasets.fingerprint import Hasher
 
+from .config import default_num_proc
+
 
 class DataError(ValueError):
     """Unusable training data or tokenizer input (missing or empty file, unreachable hub, ...); the message says
@@ -367,11 +369,6 @@ def build_tokenizer(spec: str | None, train_text: Dataset | IterableDataset | li
 
 
 # -------------------------------------------------------------------------------------- tokenize + pack
-def default_num_proc() -> int:
-    """Processes for tokenizing: the CPU cores this process may use, at most 8."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
-
-
 def tokenizing_rows(chars_per_row: float) -> int:
     """Rows per tokenizing batch, of the map-style and the streaming path alike: about TOKENIZE_CHARS characters
     (rows of `chars_per_row` characters on average), at most datasets' default of 1,000 rows."""

@@ -1,8 +1,10 @@
 """The C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` into one module:
 
-* ``scan_forward`` / ``scan_backward`` (``scan.cpp``): the CP rank-space scan, the signatures of
-  ``bilinear_lm.modeling.scan`` plus the overflow guard's range; ``cp_step``: one decoding step of the CP state
-  (``bilinear_lm.modeling.recurrence.reference_step``);
+* ``scan_forward`` / ``scan_backward`` (``bilinear_scan.cpp``): the CP rank-space scan, the signatures of
+  ``bilinear_lm.modeling.bilinear_scan`` plus the overflow guard's range; ``cp_step``: one decoding step of the CP state
+  (``bilinear_lm.modeling.bilinear_reference.reference_step``);
+* ``delta_rule_step`` (``delta_rule.cpp``): one decoding step of the memory heads' state
+  (``bilinear_lm.modeling.delta_rule_reference.delta_rule_step``);
 * ``small_batch_linear`` (``linear.cpp``): a GEMV for the few rows of a decoding step;
 * ``swiglu_forward`` / ``swiglu_backward`` and ``rms_norm_forward`` / ``rms_norm_backward`` (``fused.cpp``): the
   MLP's SwiGLU and the blocks' RMSNorm, each one pass with one output (``bilinear_lm.modeling.dispatch``).

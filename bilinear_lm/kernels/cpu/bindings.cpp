@@ -12,6 +12,9 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor dG, torch::Tensor u, torc
 std::vector<torch::Tensor> cp_step(torch::Tensor u, torch::Tensor h, torch::Tensor W1, torch::Tensor W2,
                                    torch::Tensor keep, torch::Tensor restart, torch::Tensor h_start, bool boundary,
                                    bool guard, double safe_min, double safe_max);
+std::vector<torch::Tensor> delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                           torch::Tensor beta, torch::Tensor S, torch::Tensor c, torch::Tensor keep,
+                                           torch::Tensor restart, bool boundary);
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor W);
 torch::Tensor swiglu_forward(torch::Tensor gate_up);
 torch::Tensor swiglu_backward(torch::Tensor gate_up, torch::Tensor dh);
@@ -27,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("MtT"), arg("keep"), arg("restart"));
   m.def("cp_step", &cp_step, arg("u"), arg("h"), arg("W1"), arg("W2"), arg("keep"), arg("restart"), arg("h_start"),
         arg("boundary"), arg("guard"), arg("safe_min"), arg("safe_max"));
+  m.def("delta_rule_step", &delta_rule_step, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("S"), arg("c"),
+        arg("keep"), arg("restart"), arg("boundary"));
   m.def("small_batch_linear", &small_batch_linear, arg("x"), arg("W"));
   m.def("swiglu_forward", &swiglu_forward, arg("gate_up"));
   m.def("swiglu_backward", &swiglu_backward, arg("gate_up"), arg("dh"));

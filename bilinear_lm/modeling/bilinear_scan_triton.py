@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from .recurrence import SAFE_MAX, SAFE_MIN
-from .scan import sequence_major
+from .chunked_normalization import SAFE_MAX, SAFE_MIN
+from .bilinear_scan import sequence_major
 
 try:  # optional: a CPU-only install never needs Triton (transformers' remote-code check skips try blocks)
     import triton
@@ -175,14 +175,14 @@ if triton is not None:
 
 
 def _in_sequence_major(x):
-    """``x`` (``[T, N, B, R]``) laid out as ``scan.sequence_major``: itself if it is, else a copy (the kernels address
+    """``x`` (``[T, N, B, R]``) laid out as ``bilinear_scan.sequence_major``: itself if it is, else a copy (the kernels address
     every tensor that way: one offset tile for all of them keeps the programs within their registers)."""
     T, N, B, R = x.shape
     return x if x.stride() == (R, B * T * R, T * R, 1) else sequence_major(x, T, N, B, R).copy_(x)
 
 
 def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start):
-    """The scan's forward (``scan.scan_forward``'s signature and results)."""
+    """The scan's forward (``bilinear_scan.scan_forward``'s signature and results)."""
     T, N, B, R = u.shape
     H = W1.shape[1]
     RP = _padded(R)
@@ -199,7 +199,7 @@ def scan_forward(u, Mt, W1, keep, p0, chunk: int, offset: int, restart, p_start)
 
 
 def scan_backward(dG, u, S, P, p0, p_start, MtT, keep, restart):
-    """The scan's reverse loop (``scan.scan_backward``'s signature and results)."""
+    """The scan's reverse loop (``bilinear_scan.scan_backward``'s signature and results)."""
     T, N, B, R = u.shape
     RP = _padded(R)
     du, DP = sequence_major(u, T, N, B, R), sequence_major(u, T, N, B, R)

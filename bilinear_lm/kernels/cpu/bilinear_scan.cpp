@@ -1,9 +1,9 @@
-// The CP state recurrence on CPU: the rank-space scan, the C++ twin of bilinear_lm/modeling/scan.py (scan_forward /
+// The CP state recurrence on CPU: the rank-space scan, the C++ twin of bilinear_lm/modeling/bilinear_scan.py (scan_forward /
 // scan_backward, same signatures and results; tested against it and against the reference loop), and one decoding
-// step of the state (cp_step, tested against recurrence.reference_step). In the scan every (head, batch row) evolves
+// step of the state (cp_step, tested against bilinear_reference.reference_step). In the scan every (head, batch row) evolves
 // independently, so each is one thread's sequential loop over time with no per-step synchronization or dispatch.
 // Built by bilinear_lm/kernels/cpu/__init__.py (torch.utils.cpp_extension). The overflow guard's range
-// (safe_min, safe_max) is an argument: the caller owns it (recurrence.py's SAFE_MIN, SAFE_MAX).
+// (safe_min, safe_max) is an argument: the caller owns it (chunked_normalization.py's SAFE_MIN, SAFE_MAX).
 #include <ATen/ATen.h>  // not torch/extension.h: half the build time (bindings.cpp has the Python side)
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -11,7 +11,7 @@
 #include <limits>
 #include <vector>
 
-// The overflow guard's test (recurrence.in_safe_range): the peak |v_i| lies in (safe_min, safe_max); a NaN fails.
+// The overflow guard's test (chunked_normalization.in_safe_range): the peak |v_i| lies in (safe_min, safe_max); a NaN fails.
 template <typename scalar_t>
 bool in_safe_range(const scalar_t* v, int64_t n, double safe_min, double safe_max) {
   scalar_t peak = 0;
@@ -33,7 +33,7 @@ scalar_t sum_squares(const scalar_t* v, int64_t n) {
   return norm2;
 }
 
-// 1 / ||v|| from the squared norm, the norm clamped to the smallest normal number (recurrence.scale_at_boundary).
+// 1 / ||v|| from the squared norm, the norm clamped to the smallest normal number (chunked_normalization.scale_at_boundary).
 template <typename scalar_t>
 scalar_t inverse_norm(scalar_t norm2) {
   return scalar_t(1) / std::max(std::sqrt(norm2), std::numeric_limits<scalar_t>::min());
@@ -225,7 +225,7 @@ std::vector<at::Tensor> scan_backward(at::Tensor dG, at::Tensor u, at::Tensor S,
   return {du, DP, dp0, dp_start};
 }
 
-// One decoding step of the state (recurrence.reference_step for the CP map, no gradients): per (row, head)
+// One decoding step of the state (bilinear_reference.reference_step for the CP map, no gradients): per (row, head)
 // h' = W1 (u * (W2^T h_prev)), h_prev = h_start where the row restarts, then normalized at a chunk boundary or
 // where the guard finds the head's state outside the safe range; a padded row keeps h. u: [B, N, R]; h: [B, N, H];
 // W1, W2: [N, H, R]; keep, restart: [B] bool or empty; h_start: [N, H] (read only where restart).

@@ -1,4 +1,5 @@
-"""The memory heads' recurrence in chunks (``recurrence.reference_delta_rule`` is its specification).
+"""The memory heads' recurrence in chunks (``delta_rule_reference.reference_delta_rule`` is its
+specification).
 
 Within a block of ``C`` positions the gated delta rule is solved at once in the WY / UT form of flash-linear-attention's
 ``chunk_delta_rule``: with ``G`` the cumulative log decay, ``D[i, j] = exp(G_i - G_j)`` for ``j <= i`` in the same
@@ -9,14 +10,15 @@ document (0 otherwise) and ``S_0`` the incoming matrix,
 
 one triangular solve per block instead of ``C`` sequential steps. The homogeneous coordinate ``c`` is constant between
 normalizations, so the blocks run on values ``c v`` and divide the outputs by ``c``; blocks never cross a normalization
-boundary (``recurrence.segments``), where ``[S; c]`` is divided by its own norm as in the loop. A padded position
+boundary (``chunked_normalization.segments``), where ``[S; c]`` is divided by its own norm as in the loop. A padded position
 enters with ``g = 0, beta = 0`` (the memory unchanged); a reset (document start) cuts ``D`` and the incoming matrix's
 terms at the positions from it on, which is the loop's emptied memory.
 """
 
 import torch
 
-from .recurrence import is_boundary, memory_scale, segments
+from .chunked_normalization import is_boundary, segments
+from .delta_rule_reference import memory_scale
 
 BLOCK = 64  # positions solved at once: the solve costs C^2 per position, the sequential steps' Python overhead 1/C
 

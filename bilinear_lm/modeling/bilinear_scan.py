@@ -1,7 +1,7 @@
 """The CP rank-space scan in PyTorch: any device, one batched matmul over heads per step.
 
-The same two entry points as the C++ kernel (``bilinear_lm/kernels/cpu/scan.cpp``) and the Triton kernel
-(``scan_triton``), which compute exactly this (tested against it and against the reference loop). Shapes
+The same two entry points as the C++ kernel (``bilinear_lm/kernels/cpu/bilinear_scan.cpp``) and the Triton kernel
+(``bilinear_scan_triton``), which compute exactly this (tested against it and against the reference loop). Shapes
 ``[T, N, B, R]`` (time, heads, batch, rank); the inputs ``u`` and ``dG`` may have any strides with the rank
 contiguous (the mixer passes its ``[B, T, N, R]`` factors permuted, no copy); the scans return ``G``, ``P``, ``S``
 and ``DP`` laid out by :func:`sequence_major` (each head and row's sequence contiguous: the per-head matmuls that
@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from .recurrence import in_safe_range, is_boundary, scale_at_boundary, segments
+from .chunked_normalization import in_safe_range, is_boundary, scale_at_boundary, segments
 
 
 def sequence_major(like: torch.Tensor, T: int, N: int, B: int, R: int) -> torch.Tensor:
