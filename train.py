@@ -34,9 +34,9 @@ from bilinear_lm.baselines import bilinear_config, build_model, count_parameters
 from bilinear_lm.evaluation.harness import run_harness
 from bilinear_lm.modeling.transitions import build_kernels
 from bilinear_lm.training import (Config, Data, DataError, DiskFullError, MetricsLog, StopOnSignal, Stopped,
-                                  TrainingInputError, TrainState, append_metrics, bf16_cpu_warning, check_launch,
-                                  check_token_ids, disk_full_is_one_line, diverged_message, end_training, flat_config,
-                                  load_data, load_data_state, micro_batches, own_output_dir,
+                                  TrainingInputError, TrainState, append_metrics, bf16_cpu_warning,
+                                  check_blocks_fit_vocabulary, check_launch, disk_full_is_one_line, diverged_message,
+                                  end_training, flat_config, load_data, load_data_state, micro_batches, own_output_dir,
                                   params_identical_across_ranks, parse_config, peak_rss_mib, plot_losses, read_metrics,
                                   run_summary, save_checkpoint, unsharded_copy, write_model_card)
 from bilinear_lm.utils import eval_mode, keep_freed_memory
@@ -240,7 +240,7 @@ def run(cfg: Config, accelerator, resume, stop: StopOnSignal, started: float) ->
     out_dir = Path(cfg.train.output_dir)
     data = load_data(cfg, accelerator, resume)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, accelerator, data.tokenizer)
-    check_token_ids(data.blocks, model.config.vocab_size)
+    check_blocks_fit_vocabulary(data.blocks, model.config.vocab_size)
     if cfg.train.model_type == "bilinear":  # compile the CPU scan now: its build stays out of the first tokens/s
         build_kernels(model.config, accelerator.device.type)
     n_params = count_parameters(model)

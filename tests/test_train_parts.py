@@ -350,7 +350,7 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from bilinear_lm.training import check_token_ids, tokenize_and_pack
+    from bilinear_lm.training import check_blocks_fit_vocabulary, tokenize_and_pack
 
     vocab = {c: i for i, c in enumerate("abcd")} | {"e": 40}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[])))
@@ -360,8 +360,8 @@ def test_out_of_vocabulary_token_ids_are_a_clear_error(tmp_path):
     blocks = tokenize_and_pack(raw, tokenizer, 8)
     with pytest.raises(TrainingInputError, match=r"token id 40 in the train data is outside the model's "
                                                  r"vocabulary of 5 ids .*--model.vocab_size 41"):
-        check_token_ids(blocks, 5)
-    check_token_ids(blocks, 41)
+        check_blocks_fit_vocabulary(blocks, 5)
+    check_blocks_fit_vocabulary(blocks, 41)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -3,7 +3,7 @@ and its loaders, checkpoints and the TrainState they carry, metrics, and helpers
 
     config        Config, DataConfig, TrainConfig, parse_config, flat_config, TrainingInputError
     data          load_raw_text, build_tokenizer, tokenize_and_pack, DataError, DEFAULT_TRAIN_FILE
-    loader        Data, load_data, collate, check_token_ids, micro_batches
+    loader        Data, load_data, collate, check_blocks_fit_vocabulary, micro_batches
     checkpoint    TrainState, find_checkpoint, latest_checkpoint, save_checkpoint, load_data_state,
                   check_config_change, verify_checkpoint, prune_checkpoints, diverged_message,
                   disk_full_is_one_line, DiskFullError
@@ -21,7 +21,7 @@ import importlib
 _MODULES = {
     "config": ["Config", "DataConfig", "TrainConfig", "TrainingInputError", "parse_config", "flat_config"],
     "data": ["DEFAULT_TRAIN_FILE", "DataError", "build_tokenizer", "load_raw_text", "tokenize_and_pack"],
-    "loader": ["Data", "load_data", "collate", "check_token_ids", "micro_batches"],
+    "loader": ["Data", "load_data", "collate", "check_blocks_fit_vocabulary", "micro_batches"],
     "checkpoint": ["TrainState", "find_checkpoint", "latest_checkpoint", "save_checkpoint", "load_data_state",
                    "check_config_change", "verify_checkpoint", "prune_checkpoints", "diverged_message",
                    "disk_full_is_one_line", "DiskFullError"],

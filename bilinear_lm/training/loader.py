@@ -15,7 +15,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from ..modeling.input_checks import check_token_ids as check_vocabulary
+from ..modeling.input_checks import check_token_ids
 from .checkpoint import TrainState
 from .config import Config, TrainingInputError
 from .data import DEFAULT_TRAIN_FILE, build_tokenizer, builder_for, load_raw_text, tokenize_and_pack
@@ -95,7 +95,7 @@ def load_data(cfg: Config, accelerator, resume: Path | None) -> Data:
     return Data(raw, tokenizer, blocks, train_dl, val_dl)
 
 
-def check_token_ids(blocks: DatasetDict, vocab_size: int) -> None:
+def check_blocks_fit_vocabulary(blocks: DatasetDict, vocab_size: int) -> None:
     """Every token id of the packed data must have an embedding: a clear error before training instead of
     torch's `IndexError: index out of range in self` (or a silent wrong lookup on a GPU)."""
     for split, ds in blocks.items():
@@ -103,7 +103,7 @@ def check_token_ids(blocks: DatasetDict, vocab_size: int) -> None:
             continue
         high = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py()  # without materializing the ids
         try:
-            check_vocabulary(torch.tensor([0 if high is None else high]), vocab_size, where=f"in the {split} data",
+            check_token_ids(torch.tensor([0 if high is None else high]), vocab_size, where=f"in the {split} data",
                              fix=f"the tokenizer produces ids its length does not count, or --model.vocab_size is too "
                                  f"small: pass --model.vocab_size {high + 1} (or more), or a tokenizer whose ids are "
                                  f"below len(tokenizer)")
