@@ -181,6 +181,14 @@ class BilinearCacheMixin:
             selected = window.index_select(0, beam_idx.to(window.device))
             self.attention_conv_windows[layer_idx] = self._keep(window, selected)
 
+    def crop(self, max_length: int) -> None:
+        """Refused: the bilinear layers' recurrent states cannot go back to an earlier position (transformers' crop
+        would cut the convolution windows and attention keys only, a cache silently wrong for the next token)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.crop: the bilinear layers' recurrent states cannot be rolled back to an earlier "
+            "position, so the cache cannot be cropped (assisted decoding is refused for the same reason); run the "
+            "tokens up to that position again with a fresh cache")
+
     def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
 

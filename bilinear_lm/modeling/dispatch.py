@@ -115,6 +115,19 @@ def _cpu_kernels_run_on(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64) and cpu_kernels_available()
 
 
+def _step_kernel_runs(impl: str, tensor: torch.Tensor) -> bool:
+    """Whether one position runs a C++ step kernel (``cp_step``, ``delta_rule_step``): eager decoding, that is no
+    gradients and no compiled graph (there Inductor fuses the PyTorch step with the rest), ``impl`` auto or cpp, and
+    the kernels on ``tensor``."""
+    return impl in ("auto", "cpp") and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+        and _cpu_kernels_run_on(tensor)
+
+
+def _step_flags(flags: torch.Tensor | None) -> torch.Tensor:
+    """Per-row flags (``[B]``: keep, restart) as the step kernels take them: contiguous bool, empty for none."""
+    return torch.empty(0, dtype=torch.bool) if flags is None else flags.bool().contiguous()
+
+
 def resolve_impl(impl: str, u: torch.Tensor, rank: int, state_size: int) -> str:
     """The implementation that runs the CP recurrence on factors ``u`` ``[B, T, ...]`` (a scan of ``rank`` in rank
     space, a state of ``state_size``): one of ``IMPLS`` but ``"auto"``.
@@ -372,14 +385,11 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
         h = h0.expand(B, *h0.shape[-2:])
         keep_t, reset_t = None if mask is None else mask[:, 0], None if reset is None else reset[:, 0]
         boundary = is_boundary(chunk, offset, 0)  # a 0-d tensor where the offset is one (a static cache's count)
-        if cp_map and not torch.is_grad_enabled() and impl in ("auto", "cpp") and not torch.compiler.is_compiling() \
-                and _cpu_kernels_run_on(factors):  # the C++ step (eager decoding)
-            empty = torch.empty(0, dtype=torch.bool)
+        if cp_map and _step_kernel_runs(impl, factors):  # the C++ step (eager decoding)
             h = load_cpu_kernels().cp_step(
                 factors[:, 0].contiguous(), h.contiguous(), transition.W1.contiguous(), transition.W2.contiguous(),
-                empty if keep_t is None else keep_t.bool().contiguous(),
-                empty if reset_t is None else reset_t.bool().contiguous(),
-                h if h_start is None else h_start.contiguous(), bool(boundary), chunk > 0, SAFE_MIN, SAFE_MAX)[0]
+                _step_flags(keep_t), _step_flags(reset_t), h if h_start is None else h_start.contiguous(),
+                bool(boundary), chunk > 0, SAFE_MIN, SAFE_MAX)[0]
         else:  # in a compiled step: PyTorch ops, which Inductor fuses with the rest of the step
             h = reference_step(transition, factors[:, 0], h, keep_t, boundary, guard=chunk > 0,
                                additive_t=None if additive is None else additive[:, 0], reset_t=reset_t,
@@ -401,13 +411,11 @@ def memory_recurrence(q, k, v, g, beta, memory, mask=None, chunk: int = 64, offs
     loop's PyTorch step (in a compiled step Inductor fuses it with the rest of the step: faster than the kernel as a
     custom op there; a tensor offset stays a tensor, nothing to branch on); every other ``impl`` the chunked PyTorch
     form (``delta_rule_chunk.chunk_delta_rule``), on any device."""
-    if q.shape[1] == 1 and impl in ("auto", "cpp") and not torch.is_grad_enabled() \
-            and not torch.compiler.is_compiling() and _cpu_kernels_run_on(q):  # the C++ step (eager decoding)
-        empty = torch.empty(0, dtype=torch.bool)
+    if q.shape[1] == 1 and _step_kernel_runs(impl, q):  # the C++ step (eager decoding)
         S, c, o = load_cpu_kernels().delta_rule_step(
             *(x[:, 0].contiguous() for x in (q, k, v, g, beta)), memory[0].contiguous(), memory[1].contiguous(),
-            empty if mask is None else mask[:, 0].bool().contiguous(),
-            empty if reset is None else reset[:, 0].bool().contiguous(), bool(is_boundary(chunk, offset, 0)))
+            _step_flags(None if mask is None else mask[:, 0]), _step_flags(None if reset is None else reset[:, 0]),
+            bool(is_boundary(chunk, offset, 0)))
         return o[:, None], (S, c)
     if impl == "reference" or q.shape[1] == 1:
         return reference_delta_rule(q, k, v, g, beta, memory, mask, chunk, offset, reset)

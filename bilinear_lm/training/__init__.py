@@ -17,7 +17,7 @@ and its loaders, checkpoints and the TrainState they carry, metrics, and helpers
 import importlib
 
 # Each name's module, imported on first use: `train.py --help` reads the configuration without loading the data
-# pipeline (datasets) or the launcher's helpers (accelerate).
+# pipeline (datasets).
 _MODULES = {
     "config": ["Config", "DataConfig", "TrainConfig", "TrainingInputError", "parse_config", "flat_config"],
     "data": ["DEFAULT_TRAIN_FILE", "DataError", "build_tokenizer", "load_raw_text", "tokenize_and_pack"],
