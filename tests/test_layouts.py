@@ -179,6 +179,9 @@ def test_every_packed_form_and_the_cached_path_give_the_same_logits(layout):
         plain = model(ids).logits
         torch.testing.assert_close(model(ids, position_ids=torch.arange(28)[None]).logits, plain, rtol=0, atol=0)
     assert (plain[0, 9:] - full[0, 9:]).abs().max() > 1e-3  # unpacked, the second document sees the first
+    with pytest.raises(ValueError, match="cu_seq_lens_q marks the documents of one packed row, but the batch has 2 "
+                                         "rows"):
+        model(ids.expand(2, -1), **packed_inputs(docs, "cu_seq_lens_q"))
 
 
 def test_hf_trainer_with_the_flattening_collator_trains_as_the_padded_batch(tmp_path):

@@ -419,6 +419,9 @@ def packed_document_starts(B: int, T: int, position_ids=None, cu_seq_lens_q=None
     if seq_idx is not None:
         starts = torch.cat([torch.zeros_like(seq_idx[:, :1], dtype=torch.bool), seq_idx[:, 1:] != seq_idx[:, :-1]], 1)
     elif cu_seq_lens_q is not None:
+        if B != 1:
+            raise ValueError(f"cu_seq_lens_q marks the documents of one packed row, but the batch has {B} rows: pack "
+                             "them into one row (DataCollatorWithFlattening does), or pass position_ids or seq_idx")
         starts = torch.zeros(1, T, dtype=torch.bool, device=cu_seq_lens_q.device)
         offsets = cu_seq_lens_q.long()
         starts[0, offsets[(offsets > 0) & (offsets < T)]] = True
