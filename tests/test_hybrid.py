@@ -66,24 +66,6 @@ def test_the_cache_is_transformers_dynamic_cache_with_one_layer_type_per_layer(t
     assert cache.layers[1].keys.shape[-2] == 8 and cache.layers[2].keys.shape[-2] == WINDOW - 1
 
 
-def test_a_crop_is_refused_with_one_line_and_leaves_the_cache_as_it_was(tiny_bilinear_config):
-    """transformers' crop would cut the attention keys and convolution windows but not the recurrent states (a cache
-    silently wrong for the next token): both caches refuse it, naming why, and the next token's logits are as if no
-    crop had been asked."""
-    from bilinear_lm.modeling.cache_bilinear import BilinearStaticCache
-
-    model = build(hybrid_config(tiny_bilinear_config))
-    ids = torch.randint(4, 60, (2, 9))
-    with torch.no_grad():
-        expected = model(ids).logits[:, -1]
-        for cache in (BilinearCache(model.config), BilinearStaticCache(model.config, max_cache_len=16)):
-            model(ids[:, :8], cache=cache)
-            with pytest.raises(NotImplementedError, match=r"recurrent states cannot be rolled back.*\n?") as err:
-                cache.crop(5)
-            assert "\n" not in str(err.value)
-            torch.testing.assert_close(model(ids[:, 8:], cache=cache).logits[:, -1], expected, rtol=1e-10, atol=1e-10)
-
-
 @pytest.mark.parametrize("use_rope", [True, False])
 def test_full_forward_equals_the_token_by_token_cached_loop_and_each_row_alone_with_left_padding(tiny_bilinear_config,
                                                                                                 use_rope):

@@ -1,7 +1,9 @@
 """What every layout must do, one harness over the three (pure with a convolution, memory heads, hybrid with full and
 sliding attention), in fp64 against an independent reference each: documents reset at EOS equal each document run
 alone (every recurrence impl) and carry across cached calls; token-by-token decoding, prefill + decoding and a
-left-padded row equal one full forward; every impl's gradients equal the reference loop's, with padding.
+left-padded row equal one full forward; every impl's gradients equal the reference loop's, with padding; a recording
+cache goes back bit for bit and continues as the full forward, so assisted decoding (prompt lookup, an assistant
+model) gives plain greedy decoding's tokens; packed rows equal each document alone.
 (Generation over layouts: test_generation.py; compiled decoding: test_compiled_decoding.py.)"""
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling import dispatch
+from bilinear_lm.modeling.cache_bilinear import BilinearCacheMixin, BilinearStaticCache, cache_layer_tensors
 from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
 from bilinear_lm.modeling.transformers_compat import returned_cache
 from conftest import TINY_CONFIG
@@ -96,6 +99,107 @@ def test_decoding_and_left_padding_give_the_full_forward(layout):
     torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(padded_logits[0, 7:], full[1, :23], rtol=1e-10, atol=1e-10)
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor a cache holds: each layer's (states, windows, keys), then the model's."""
+    tensors = [t for layer in cache.layers for t in cache_layer_tensors(layer)]
+    return tensors + [t for t in (*cache.attention_conv_windows.values(), cache.follows_eos, cache.document_start)
+                      if t is not None]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_crop_goes_back_bit_for_bit_and_continues_as_the_full_forward(layout):
+    """A recording cache runs a draft of 6 tokens after a prefill (an EOS and a normalization boundary inside);
+    ``crop`` back to each of its positions gives the states the draft's forward computed there, bit for bit (before
+    the draft: every tensor of the cache, keys included), and the next forward's logits equal one full forward of
+    what was kept and the continuation."""
+    model = build(layout, reset_state_at_eos=True, eos_token_id=EOS)
+    ids = torch.randint(4, TINY_CONFIG["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(4))
+    ids[0, 11] = EOS
+    prefill, draft, continuation = ids[:, :9], ids[:, 9:15], ids[:, 15:]
+    with torch.no_grad():
+        for kept in range(7):
+            cache = BilinearCache(model.config)
+            model(prefill, cache=cache)
+            cache.activate_past_recording()
+            before = [t.clone() for t in cache_tensors(cache)]
+            drafted = model(draft, cache=cache, output_mixer_states=True)
+            cache.crop(kept - 6)
+            assert cache.get_seq_length() == 9 + kept
+            if kept == 0:
+                assert all(torch.equal(a, b) for a, b in zip(cache_tensors(cache), before, strict=True))
+            else:
+                bilinear = [i for i, kind in enumerate(model.config.layer_types) if kind == "bilinear"]
+                for layer_idx, states in zip(bilinear, drafted.mixer_states, strict=True):
+                    assert torch.equal(cache.layers[layer_idx].recurrent_states[0], states[:, kept - 1])
+            logits = model(continuation, cache=cache).logits
+            full = model(torch.cat([prefill, draft[:, :kept], continuation], 1)).logits[:, -continuation.shape[1]:]
+            torch.testing.assert_close(logits, full, rtol=1e-10, atol=1e-10)
+
+
+def count_crops(monkeypatch) -> list[int]:
+    """The positions every crop of a bilinear cache removes, from now on."""
+    removed, crop = [], BilinearCacheMixin.crop
+
+    def counted(cache, tokens_to_remove):
+        removed.append(-tokens_to_remove)
+        return crop(cache, tokens_to_remove)
+
+    monkeypatch.setattr(BilinearCacheMixin, "crop", counted)
+    return removed
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_assisted_decoding_gives_greedy_decodings_tokens(layout, monkeypatch):
+    """Prompt lookup and an assistant model (another random model: most drafts rejected) give plain greedy
+    decoding's tokens, after crops of every length; sampling with the assistant repeats under a seed. The models
+    at a larger init, whose tokens vary (at the default they repeat one token)."""
+    model = build(layout, initializer_range=0.5)
+    assistant = build(layout, seed=1, initializer_range=0.5)
+    prompt = torch.randint(4, TINY_CONFIG["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    prompt = torch.cat([prompt, prompt[:, :6]], 1)  # a repeat: prompt lookup finds drafts
+    greedy = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert len(set(greedy[0, 18:].tolist())) > 5
+    removed = count_crops(monkeypatch)
+    assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4), greedy)
+    assert {0, 4} < set(removed)
+    removed.clear()
+    assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=assistant,
+                                      num_assistant_tokens=4), greedy)
+    assert max(removed) >= 2
+    sampled = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        sampled.append(model.generate(prompt, max_new_tokens=20, do_sample=True, assistant_model=assistant))
+    assert torch.equal(*sampled) and sampled[0].shape[1] == 38
+
+
+def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_nothing():
+    """Without recording, beyond ``max_rollback`` positions, with a positive count (transformers' convention is a
+    negative one) and on the static cache (written in place): each a one-line error, and the next forward's logits
+    are as if no crop had been asked."""
+    model = build("hybrid")
+    ids = torch.randint(4, TINY_CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = model(ids).logits[:, -1]
+        recording = BilinearCache(model.config, max_rollback=2)
+        model(ids[:, :4], cache=recording)
+        recording.activate_past_recording()
+        cases = [(BilinearCache(model.config), -1, "cannot go back to position 10, it keeps the states of no "
+                  "positions: call cache.activate_past_recording"),
+                 (recording, -3, "cannot go back to position 8, it keeps the states of positions 9..11.*max_rollback=2"),
+                 (BilinearCache(model.config), 2, r"pass minus the number of positions to remove"),
+                 (BilinearStaticCache(model.config, max_cache_len=16), -1, "BilinearStaticCache cannot roll back")]
+        for cache, count, message in cases:
+            model(ids[:, :11] if cache is not recording else ids[:, 4:11], cache=cache)
+            with pytest.raises(ValueError, match=message) as error:
+                cache.crop(count)
+            assert "\n" not in str(error.value)
+            torch.testing.assert_close(model(ids[:, 11:], cache=cache).logits[:, -1], expected, rtol=1e-10,
+                                       atol=1e-10)
+        with pytest.raises(ValueError, match="BilinearStaticCache cannot roll back"):
+            BilinearStaticCache(model.config, max_cache_len=16).activate_past_recording()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

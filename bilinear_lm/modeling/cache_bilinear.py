@@ -1,7 +1,8 @@
 """The bilinear model's caches: each bilinear layer's states (:class:`BilinearLayerCache`, and
 :class:`BilinearStaticLayerCache` for a compiled decoding step) as transformers' linear-attention cache layers, and
 the model's caches (:class:`BilinearCache` on ``DynamicCache``, :class:`BilinearStaticCache` on ``StaticCache``)
-built from ``config.layer_types``, with what belongs to the whole model (:class:`BilinearCacheMixin`).
+built from ``config.layer_types``, with what belongs to the whole model (:class:`BilinearCacheMixin`), including
+the rollback that assisted decoding needs (:meth:`BilinearCacheMixin.crop`).
 
 transformers registers a cache layer class under a layer type through ``CacheLayerMixin._layer_type``, for attention
 layers only: a linear-attention layer (``LinearAttentionCacheLayerMixin``) has no such hook in 5.23 or 5.24, so this
@@ -31,8 +32,9 @@ class BilinearLayerCache(LinearAttentionLayer):
     Subclassed because ``LinearAttentionLayer`` counts no positions (the chunked normalization's ``offset`` and
     ``get_seq_length`` need the count), marks a state as present only after a conv update (a layer without a
     convolution makes none), and copies each new state into the first one's storage for CUDA graphs, which would break
-    backpropagation through a carried state and the dtype of a state that changes with the input's: here a new state
-    replaces the old one (so the layer is not compileable; :class:`BilinearStaticLayerCache` is).
+    backpropagation through a carried state, the dtype of a state that changes with the input's, and the rollback
+    (which keeps earlier states): here a new state replaces the old one (so the layer is not compileable;
+    :class:`BilinearStaticLayerCache` is). Its rollback is the model cache's (:meth:`BilinearCacheMixin.crop`).
     """
 
     is_compileable = False
@@ -40,6 +42,15 @@ class BilinearLayerCache(LinearAttentionLayer):
     def __init__(self, **kwargs):
         super().__init__(**{**kwargs, "number_of_states": NUMBER_OF_STATES})
         self.cumulative_length = 0
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Store the convolution's new window (the whole window: the model passes its last ``conv_width - 1``
+        inputs). It replaces the old one, never written in place (a rollback keeps the old one), and
+        ``activate_past_recording`` changes nothing here (the model's cache records: :meth:`BilinearCacheMixin.crop`)."""
+        self.dtype, self.device = conv_states.dtype, conv_states.device
+        self.conv_states[state_idx] = conv_states
+        self.is_conv_states_initialized[state_idx] = self.has_previous_state[state_idx] = True
+        return conv_states
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, num_positions: int = 0,
                                **kwargs) -> torch.Tensor:
@@ -150,21 +161,37 @@ class BilinearCacheMixin:
     document began, which the attention layers' mask needs), both written with :meth:`carry`; the attention layers'
     convolution windows (``attention_conv_windows``: layer index -> ``[batch, conv_width - 1, hidden]``), for which
     transformers' attention cache layers have no place (``conv_window`` / ``set_conv_window`` read and write any
-    layer's window); and ``get_seq_length``, which transformers' caches ask of an attention layer, absent from a pure
-    bilinear model: here every layer answers."""
+    layer's window); ``get_seq_length``, which transformers' caches ask of an attention layer, absent from a pure
+    bilinear model: here every layer answers; and the rollback (:meth:`crop`).
 
-    def _init_model_state(self) -> None:
+    **Rollback.** A recurrent state cannot be computed backwards, so after ``activate_past_recording()`` (what
+    transformers' assisted decoding calls) the cache keeps every state of each of the last ``max_rollback + 1``
+    positions: the model hands it, for each forward, the states after each of that forward's last positions
+    (:meth:`begin_forward`, :meth:`record`, :meth:`end_forward`); ``crop(-n)`` puts back the states of ``n``
+    positions ago, bit for bit, in every layer (tracking and memory heads, convolution windows, ``follows_eos`` and
+    ``document_start``; the attention layers' keys by transformers' own crop). Only :class:`BilinearCache` records:
+    the static cache's buffers are written in place."""
+
+    def _init_model_state(self, max_rollback: int = 0) -> None:
         self.follows_eos: torch.Tensor | None = None
         self.document_start: torch.Tensor | None = None
         self.attention_conv_windows: dict[int, torch.Tensor] = {}
+        self.max_rollback = max_rollback
+        self.recording = False
+        self._past: list[tuple[int, dict]] = []  # (positions consumed, {slot: the slot's value then}), oldest first
+        self._pending: dict[tuple, torch.Tensor] = {}  # this forward's per-position values, by slot
+        self.positions_to_record = 0  # of the current forward: see begin_forward
 
     def _keep(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """What a carried tensor becomes: ``new`` here (the static cache copies it into ``old``'s buffer)."""
         return new
 
-    def carry(self, name: str, value: torch.Tensor) -> None:
-        """Store ``follows_eos`` or ``document_start``."""
-        setattr(self, name, self._keep(getattr(self, name), value))
+    def carry(self, name: str, values: torch.Tensor) -> None:
+        """Store ``follows_eos`` or ``document_start`` from their values at each of this forward's positions
+        (``[batch, T]``): the last one, and the ones a rollback needs."""
+        setattr(self, name, self._keep(getattr(self, name), values[:, -1]))
+        if self.positions_to_record:
+            self.record(("model", name), values[:, -self.positions_to_record:])
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Number of positions consumed so far (padding included)."""
@@ -176,18 +203,103 @@ class BilinearCacheMixin:
         for name in ("follows_eos", "document_start"):
             value = getattr(self, name)
             if value is not None:
-                self.carry(name, value.index_select(0, beam_idx.to(value.device)))
+                setattr(self, name, self._keep(value, value.index_select(0, beam_idx.to(value.device))))
         for layer_idx, window in self.attention_conv_windows.items():
             selected = window.index_select(0, beam_idx.to(window.device))
             self.attention_conv_windows[layer_idx] = self._keep(window, selected)
+        self._past = [(length, {slot: None if value is None else value.index_select(0, beam_idx.to(value.device))
+                                for slot, value in states.items()}) for length, states in self._past]
 
-    def crop(self, max_length: int) -> None:
-        """Refused: the bilinear layers' recurrent states cannot go back to an earlier position (transformers' crop
-        would cut the convolution windows and attention keys only, a cache silently wrong for the next token)."""
-        raise NotImplementedError(
-            f"{type(self).__name__}.crop: the bilinear layers' recurrent states cannot be rolled back to an earlier "
-            "position, so the cache cannot be cropped (assisted decoding is refused for the same reason); run the "
-            "tokens up to that position again with a fresh cache")
+    # The rollback. A slot names one state: ("state", layer, i) a bilinear layer's recurrent state i, ("window",
+    # layer, i) any layer's convolution window i, ("model", name) follows_eos or document_start.
+
+    def activate_past_recording(self) -> None:
+        """Keep the states of the last ``max_rollback + 1`` positions from now on, so that :meth:`crop` can go back
+        (transformers calls this before assisted decoding; the attention layers keep their keys until a crop)."""
+        super().activate_past_recording()
+        self.recording = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can put the cache back as it was: once recording."""
+        return self.recording
+
+    def begin_forward(self, num_positions: int) -> int:
+        """Called by the model before a forward of ``num_positions`` positions: how many of the last ones' states
+        the layers should :meth:`record` (0 unless recording)."""
+        self._pending = {}
+        self.positions_to_record = min(num_positions, self.max_rollback + 1) if self.recording else 0
+        if self.positions_to_record and not self._past and self.get_seq_length():
+            self._past.append((self.get_seq_length(), self._current_states()))  # where the first recorded forward began
+        return self.positions_to_record
+
+    def record(self, slot: tuple, values: torch.Tensor) -> None:
+        """Keep ``values`` (``[batch, P, ...]``): ``slot``'s value after each of this forward's last ``P``
+        positions, ``P`` what :meth:`begin_forward` returned."""
+        self._pending[slot] = values
+
+    def end_forward(self) -> None:
+        """Called by the model after a forward: file what the layers recorded by position (a slot that recorded
+        nothing kept its value), forget what lies beyond ``max_rollback`` positions back."""
+        count = self.positions_to_record
+        if not count:
+            return
+        now, length = self._current_states(), self.get_seq_length()
+        for j in range(count):
+            self._past.append((length - count + 1 + j, {**now, **{slot: values[:, j]
+                                                                  for slot, values in self._pending.items()}}))
+        del self._past[:-(self.max_rollback + 1)]
+        self._pending, self.positions_to_record = {}, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Go back ``-tokens_to_remove`` positions (transformers' convention: a count <= 0), bit for bit, in every
+        layer; ``crop(0)`` keeps everything. Possible after ``activate_past_recording()`` and at most
+        ``max_rollback`` positions back (one-line errors otherwise)."""
+        name = type(self).__name__
+        if tokens_to_remove > 0:
+            raise ValueError(f"{name}.crop({tokens_to_remove}): pass minus the number of positions to remove (as "
+                             "transformers' caches take it), e.g. crop(-2)")
+        length, removed = self.get_seq_length(), -tokens_to_remove
+        if removed:
+            states = next((states for position, states in self._past if position == length - removed), None)
+            if states is None:
+                kept = f"positions {self._past[0][0]}..{self._past[-1][0]}" if self._past else "no positions"
+                raise ValueError(
+                    f"{name}.crop({tokens_to_remove}): the cache cannot go back to position {length - removed}, it "
+                    f"keeps the states of {kept}: call cache.activate_past_recording() before the forwards to undo "
+                    f"(it keeps the last max_rollback={self.max_rollback} positions; build BilinearCache(config, "
+                    "max_rollback=...) to go further back)")
+            for slot, value in states.items():
+                self._restore(slot, value)
+            self._past = [(position, kept) for position, kept in self._past if position <= length - removed]
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                layer.cumulative_length -= removed
+            else:  # an attention layer: its keys (transformers' crop; crop(0) trims a sliding window's)
+                layer.crop(-removed)
+
+    def _current_states(self) -> dict:
+        """Every slot's value now (``None``: not yet present)."""
+        states = {("model", name): getattr(self, name) for name in ("follows_eos", "document_start")}
+        for layer_idx, layer in enumerate(self.layers):
+            if isinstance(layer, LinearAttentionLayer):
+                for i in range(NUMBER_OF_STATES):
+                    if layer.is_recurrent_states_initialized[i]:
+                        states["state", layer_idx, i] = layer.recurrent_states[i]
+                    if layer.is_conv_states_initialized[i]:
+                        states["window", layer_idx, i] = self.conv_window(layer_idx, i)
+            elif layer_idx in self.attention_conv_windows:
+                states["window", layer_idx, 0] = self.attention_conv_windows[layer_idx]
+        return states
+
+    def _restore(self, slot: tuple, value: torch.Tensor | None) -> None:
+        kind, *where = slot
+        if kind == "model":
+            setattr(self, where[0], value)
+        elif kind == "window":
+            self.set_conv_window(where[0], value, where[1])
+        else:
+            self.layers[where[0]].recurrent_states[where[1]] = value
 
     def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -216,15 +328,19 @@ def cache_layer_tensors(layer) -> list[torch.Tensor]:
     return [t for t in tensors if t is not None]
 
 
+MAX_ROLLBACK = 64  # positions a recording BilinearCache can go back by default (assisted decoding's drafts: ~10-20)
+
+
 class BilinearCache(BilinearCacheMixin, DynamicCache):
     """transformers' ``DynamicCache`` built from ``config.layer_types``: a :class:`BilinearLayerCache` per bilinear
     layer, ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` per attention layer (O(1) memory in sequence length
     without full attention), plus the model's own state (:class:`BilinearCacheMixin`). ``generate()`` passes it as
-    ``cache`` (``past_key_values`` before transformers 5.24); beam search reorders it in place."""
+    ``cache`` (``past_key_values`` before transformers 5.24); beam search reorders it in place; after
+    ``activate_past_recording()`` it can go back up to ``max_rollback`` positions (``crop``; assisted decoding)."""
 
-    def __init__(self, config: BilinearConfig):
+    def __init__(self, config: BilinearConfig, max_rollback: int = MAX_ROLLBACK):
         super().__init__(config=config)
-        self._init_model_state()
+        self._init_model_state(max_rollback)
 
 
 class BilinearStaticCache(BilinearCacheMixin, StaticCache):
@@ -245,6 +361,14 @@ class BilinearStaticCache(BilinearCacheMixin, StaticCache):
         self.max_cache_len = max_cache_len
         self.key_padding: torch.Tensor | None = None
         self._init_model_state()
+
+    def activate_past_recording(self, *unused) -> None:
+        """Refused, as :meth:`crop` is: the static cache's buffers are written in place, so it keeps no earlier
+        states to go back to."""
+        raise ValueError("BilinearStaticCache cannot roll back (its buffers are written in place): assisted decoding "
+                         "and crop need the dynamic BilinearCache (generate() without cache_implementation='static')")
+
+    crop = activate_past_recording
 
     def _keep(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """Copy ``new`` into ``old``'s buffer (allocated from the first value, outside a graph)."""
@@ -289,4 +413,4 @@ class BilinearStaticCache(BilinearCacheMixin, StaticCache):
         return visible
 
 
-__all__ = ["BilinearCache", "BilinearLayerCache", "BilinearStaticCache", "BilinearStaticLayerCache"]
+__all__ = ["MAX_ROLLBACK", "BilinearCache", "BilinearLayerCache", "BilinearStaticCache", "BilinearStaticLayerCache"]

@@ -403,14 +403,32 @@ def recurrence(transition, factors, h0, mask=None, chunk: int = 64, offset: int 
 
 
 def memory_recurrence(q, k, v, g, beta, memory, mask=None, chunk: int = 64, offset: int = 0, impl: str = "auto",
-                      reset=None):
+                      reset=None, keep: int = 0):
     """Run the memory heads over a sequence: ``(outputs [B, T, N, Dv], (S, c))`` as
     :func:`~.delta_rule_reference.reference_delta_rule` (same arguments; ``offset`` an int or a 0-d tensor).
     ``impl="reference"`` runs its loop; a single position runs one step: without gradients on CPU outside a compiled
     graph (eager decoding; fp32/fp64, the kernels loaded, ``impl`` auto or cpp) the C++ ``delta_rule_step``, else the
     loop's PyTorch step (in a compiled step Inductor fuses it with the rest of the step: faster than the kernel as a
     custom op there; a tensor offset stays a tensor, nothing to branch on); every other ``impl`` the chunked PyTorch
-    form (``delta_rule_chunk.chunk_delta_rule``), on any device."""
+    form (``delta_rule_chunk.chunk_delta_rule``), on any device.
+
+    ``keep``: the memory after each of the last ``keep`` positions too (a cache that can roll back), which run one
+    step at a time as decoding does: ``S`` and ``c`` then have a positions dimension, ``[B, keep, N, Dv, Dk]`` and
+    ``[B, keep, N]``."""
+    if keep:
+        T = q.shape[1]
+
+        def part(x, t0, t1):
+            return None if x is None else x[:, t0:t1]
+
+        outputs, kept = [], []
+        for t0, t1 in [(0, T - keep)] * (keep < T) + [(t, t + 1) for t in range(T - keep, T)]:
+            q_, k_, v_, g_, beta_, mask_, reset_ = (part(x, t0, t1) for x in (q, k, v, g, beta, mask, reset))
+            o, memory = memory_recurrence(q_, k_, v_, g_, beta_, memory, mask_, chunk, offset + t0, impl, reset_)
+            outputs.append(o)
+            kept.append(memory)
+        S, c = zip(*kept[-keep:])
+        return torch.cat(outputs, 1), (torch.stack(S, 1), torch.stack(c, 1))
     if q.shape[1] == 1 and _step_kernel_runs(impl, q):  # the C++ step (eager decoding)
         S, c, o = load_cpu_kernels().delta_rule_step(
             *(x[:, 0].contiguous() for x in (q, k, v, g, beta)), memory[0].contiguous(), memory[1].contiguous(),

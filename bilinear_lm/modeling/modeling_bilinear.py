@@ -79,16 +79,18 @@ class BilinearStateNorm(nn.Module):
 class BilinearShortConv(nn.Module):
     """Causal depthwise convolution with a residual, ``x + conv(x)`` (``weight`` zero at init: the identity).
 
-    ``forward(x [B,T,D], window [B,w-1,D] or None, mask, reset) -> (y, new_window)``: ``window`` holds the last
+    ``forward(x [B,T,D], window [B,w-1,D] or None, mask, reset, keep) -> (y, new_window)``: ``window`` holds the last
     ``w - 1`` inputs (zeros at the start of a stream). Padded positions enter as zeros, so left padding is exact; at a
-    ``reset`` (``[B, T]`` bool: a document starts there) the taps reaching back before it read zeros.
+    ``reset`` (``[B, T]`` bool: a document starts there) the taps reaching back before it read zeros. With ``keep``
+    (a cache that can roll back), ``new_window`` is the window after each of the last ``keep`` positions,
+    ``[B, keep, w-1, D]``.
     """
 
     def __init__(self, hidden_size: int, width: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size, 1, width))
 
-    def forward(self, x, window=None, mask=None, reset=None):
+    def forward(self, x, window=None, mask=None, reset=None, keep: int = 0):
         B, T, D = x.shape
         width = self.weight.shape[-1]
         if mask is not None:
@@ -101,13 +103,28 @@ class BilinearShortConv(nn.Module):
                 y = (full * self.weight[:, 0].t().to(x.dtype)).sum(1, keepdim=True)
             else:
                 y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=D).transpose(1, 2)
-            return x + y, full[:, T:]
+            return x + y, windows_after(full, None, T, keep)
         # Document index of every position (the window's are 0): a tap counts only within its position's document.
         doc = torch.cat([reset.new_zeros(B, width - 1, dtype=torch.long), reset.long().cumsum(1)], dim=1)
         weight = self.weight[:, 0].to(x.dtype)
         y = sum(full[:, k:k + T] * ((doc[:, k:k + T] == doc[:, width - 1:])[..., None] * weight[:, k])
                 for k in range(width))  # one tap at a time: 5x faster than an unfold + einsum (forward + backward)
-        return x + y, full[:, T:] * (doc[:, T:] == doc[:, -1:])[..., None].to(x.dtype)
+        return x + y, windows_after(full, doc, T, keep)
+
+
+def windows_after(full, doc, T: int, keep: int = 0):
+    """A convolution's window after the last of ``T`` positions (``[B, w-1, D]``), or with ``keep`` after each of
+    the last ``keep`` (``[B, keep, w-1, D]``), from ``full`` (``[B, w-1+T, D]``: the window before, then the inputs)
+    and ``doc`` (the document index of each, or None): the inputs of an earlier document read as zeros."""
+    width = full.shape[1] - T + 1
+    windows = []
+    for start in range(T + 1 - keep, T + 1) if keep else (T,):
+        window = full[:, start:start + width - 1]
+        if doc is not None:
+            window = window * (doc[:, start:start + width - 1] == doc[:, start + width - 2, None])[..., None].to(
+                full.dtype)
+        windows.append(window)
+    return torch.stack(windows, 1) if keep else windows[0]
 
 
 KEY_OFFSET = 0.1  # added to the memory's queries and keys before their unit norm (BilinearMemory: why)
@@ -127,9 +144,10 @@ class BilinearMemory(nn.Module):
     write keeps mostly the newest value), MQAR at vocabulary 8,192 stayed near chance for hundreds of steps more
     (docs/architecture.md, docs/results-history.md "Issue 38: the memory heads recall").
 
-    ``forward(x, memory, mask, offset, reset) -> (y [B, T, heads * value_size], memory)``; ``memory`` is
+    ``forward(x, memory, mask, offset, reset, keep) -> (y [B, T, heads * value_size], memory)``; ``memory`` is
     ``(S [B, heads, value_size, key_size], c [B, heads], window [B, conv_width - 1, channels])``, or None: an empty
-    matrix, ``c = 1`` and a zero window.
+    matrix, ``c = 1`` and a zero window. With ``keep`` (a cache that can roll back) the memory returned is the memory
+    after each of the last ``keep`` positions, each part with a positions dimension after the batch's.
     """
 
     def __init__(self, config: BilinearConfig):
@@ -153,12 +171,12 @@ class BilinearMemory(nn.Module):
         dt = torch.empty(self.num_heads).uniform_(math.log(1e-3), math.log(1e-1)).exp()
         init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
-    def forward(self, x, memory=None, mask=None, offset: int | torch.Tensor = 0, reset=None):
+    def forward(self, x, memory=None, mask=None, offset: int | torch.Tensor = 0, reset=None, keep: int = 0):
         B, T, _ = x.shape
         N, Dk, Dv = self.num_heads, self.key_size, self.value_size
         qkv, b, a = linear(self.in_proj, x).split(self.split_sizes, dim=-1)
         S, c, window = (None, None, None) if memory is None else memory
-        qkv, window = self.conv(qkv, window, mask, reset)
+        qkv, window = self.conv(qkv, window, mask, reset, keep)
         with torch.autocast(device_type=x.device.type, enabled=False):  # the recurrence in at least fp32
             dtype = torch.promote_types(x.dtype, torch.float32)
             q, k, v = F.silu(qkv.to(dtype)).split([N * Dk, N * Dk, N * Dv], dim=-1)
@@ -169,7 +187,7 @@ class BilinearMemory(nn.Module):
             if S is None:
                 S, c = x.new_zeros(B, N, Dv, Dk, dtype=dtype), x.new_ones(B, N, dtype=dtype)
             o, (S, c) = memory_recurrence(q, k, v.view(B, T, N, Dv), g, beta, (S.to(dtype), c.to(dtype)), mask,
-                                          self.config.norm_chunk_size, offset, self.config.recurrence_impl, reset)
+                                          self.config.norm_chunk_size, offset, self.config.recurrence_impl, reset, keep)
         return self.out_norm(o).to(x.dtype).flatten(2), (S, c, window)
 
 
@@ -178,11 +196,12 @@ class BilinearMixer(nn.Module):
     ``memory_heads`` its :class:`BilinearMemory` beside it (both read-outs enter one output projection).
 
     The mixer owns the projections and the readout; ``transition`` (a class of ``transitions.TRANSITIONS``, by
-    ``mixer_type``) owns ``A`` and runs the recurrence. ``forward(x, state, mask, offset, reset, memory) -> (y, states,
-    final, memory, read)``: the layer receives and returns its state (``states``: the state after every position,
-    ``[B, T, heads, state_size]``; a missing ``state`` starts from the learned ``h_start``) and its memory, and
-    ``read`` is the memory heads' read-out at every position, ``[B, T, memory_heads, memory_value_size]`` (both None
-    without memory heads).
+    ``mixer_type``) owns ``A`` and runs the recurrence. ``forward(x, state, mask, offset, reset, memory, keep) -> (y,
+    states, final, memory, read)``: the layer receives and returns its state (``states``: the state after every
+    position, ``[B, T, heads, state_size]``; a missing ``state`` starts from the learned ``h_start``) and its memory
+    (with ``keep``, after each of the last ``keep`` positions: :class:`BilinearMemory`), and ``read`` is the memory
+    heads' read-out at every position, ``[B, T, memory_heads, memory_value_size]`` (both None without memory
+    heads).
     """
 
     def __init__(self, config: BilinearConfig, layer_idx: int):
@@ -217,7 +236,7 @@ class BilinearMixer(nn.Module):
         init.ones_(self.state_norm.weight)
         init.normal_(self.out_proj.weight, mean=0.0, std=cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
 
-    def forward(self, x, state=None, mask=None, offset: int = 0, reset=None, memory=None):
+    def forward(self, x, state=None, mask=None, offset: int = 0, reset=None, memory=None, keep: int = 0):
         """``reset``: optional ``[B, T]`` bool, positions where a document starts (the state restarts from
         ``h_start``, the memory empties). The recurrence runs in at least fp32, outside autocast: long products of
         transitions need the range."""
@@ -235,7 +254,7 @@ class BilinearMixer(nn.Module):
             y = y * F.silu(gate)
         read = None
         if self.memory is not None:
-            read, memory = self.memory(x, memory, mask, offset, reset)
+            read, memory = self.memory(x, memory, mask, offset, reset, keep)
             y = torch.cat([y, read], dim=-1)
             read = read.unflatten(-1, (self.memory.num_heads, self.memory.value_size))
         return linear(self.out_proj, y), states, final, memory, read
@@ -335,8 +354,12 @@ class PreNormBlock(GradientCheckpointingLayer):
         x = self.mixer_norm(hidden_states)
         if self.conv is None:
             return x
-        x, window = self.conv(x, cache.conv_window(self.layer_idx) if cache is not None else None, mask, reset)
+        keep = cache.positions_to_record if cache is not None else 0
+        x, window = self.conv(x, cache.conv_window(self.layer_idx) if cache is not None else None, mask, reset, keep)
         if cache is not None:
+            if keep:
+                cache.record(("window", self.layer_idx, 0), window)
+                window = window[:, -1]
             cache.set_conv_window(self.layer_idx, window)  # its last conv_width - 1 positions
         return x
 
@@ -362,11 +385,18 @@ class BilinearBlock(PreNormBlock):
         memory = None
         if cache is not None and self.mixer.memory is not None and cache.get_recurrent_state(idx, 1) is not None:
             memory = (cache.get_recurrent_state(idx, 1), cache.get_recurrent_state(idx, 2), cache.conv_window(idx, 1))
+        keep = cache.positions_to_record if cache is not None else 0  # states a cache that can roll back keeps
         mixer_input = self.mixing_input(hidden_states, cache, mask, reset)
-        mixed, states, final_state, memory, read = self.mixer(mixer_input, state, mask, offset, reset, memory)
+        mixed, states, final_state, memory, read = self.mixer(mixer_input, state, mask, offset, reset, memory, keep)
         if cache is not None:
             cache.update_recurrent_state(final_state, idx, num_positions=hidden_states.shape[1])
+            if keep:
+                cache.record(("state", idx, 0), states[:, -keep:].clone())  # not a view: the rest can go
             if memory is not None:
+                if keep:  # the memory after each kept position
+                    for slot, value in zip((("state", idx, 1), ("state", idx, 2), ("window", idx, 1)), memory):
+                        cache.record(slot, value)
+                    memory = tuple(value[:, -1] for value in memory)
                 cache.update_recurrent_state(memory[0], idx, 1)
                 cache.update_recurrent_state(memory[1], idx, 2)
                 cache.set_conv_window(idx, memory[2], 1)
@@ -392,9 +422,9 @@ class BilinearAttentionBlock(PreNormBlock):
 
 
 def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
-    """``(reset [B, T], follows_eos [B])``: the positions right after an EOS token (the first position too where
-    ``follows_eos``, carried by the cache across calls, says the previous call ended with one), and whether each
-    row's last unpadded token is EOS (rows with no unpadded token keep ``follows_eos``)."""
+    """``(reset [B, T], follows_eos [B, T])``: the positions right after an EOS token (the first position too where
+    ``follows_eos``, carried by the cache across calls, says the previous call ended with one), and at each position
+    whether the row's last unpadded token so far is EOS (``follows_eos`` before any)."""
     B, T = input_ids.shape
     eos_ids = torch.tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],
                            device=input_ids.device)
@@ -402,11 +432,11 @@ def document_starts(input_ids, eos_token_id, mask=None, follows_eos=None):
     before = torch.zeros(B, dtype=torch.bool, device=input_ids.device) if follows_eos is None else follows_eos
     reset = torch.cat([before[:, None], is_eos[:, :-1]], dim=1)
     if mask is None:
-        return reset, is_eos[:, -1]
+        return reset, is_eos
     positions = torch.arange(T, device=input_ids.device)
-    last = torch.where(mask.bool(), positions, -1).amax(dim=1)
-    last_is_eos = is_eos.gather(1, last.clamp_min(0)[:, None])[:, 0]
-    return reset, torch.where(last >= 0, last_is_eos, before)
+    last = torch.where(mask.bool(), positions, -1).cummax(dim=1).values
+    last_is_eos = is_eos.gather(1, last.clamp_min(0))
+    return reset, torch.where(last >= 0, last_is_eos, before[:, None])
 
 
 def packed_document_starts(B: int, T: int, position_ids=None, cu_seq_lens_q=None, seq_idx=None):
@@ -441,7 +471,6 @@ class BilinearPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["BilinearBlock", "BilinearAttentionBlock"]
-    _is_stateful = True
     _supports_flash_attn = False
     _supports_sdpa = True  # the hybrids' attention layers (transformers' attention interface; eager works too)
     # output_attentions: capture_outputs records each attention layer's weights (eager attention computes them)
@@ -462,7 +491,7 @@ class BilinearPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # generate() would build a plain DynamicCache: the model builds its BilinearCache instead
+        return False  # generate() would build a plain DynamicCache: the model's own is built instead
 
 
 class BilinearModel(BilinearPreTrainedModel):
@@ -555,6 +584,8 @@ class BilinearModel(BilinearPreTrainedModel):
                             "builds one), which hold the model's own state besides the layers'")
         static = isinstance(cache, BilinearStaticCache)
         B, T = inputs_embeds.shape[:2]
+        if cache is not None:
+            cache.begin_forward(T)  # a cache that can roll back keeps the states of the last positions
         offset = cache.get_seq_length() if cache is not None else 0
         if isinstance(offset, torch.Tensor):  # a static cache's count, which its layers advance in place as they run
             offset = offset.clone()
@@ -591,7 +622,7 @@ class BilinearModel(BilinearPreTrainedModel):
                 document_start = carried[:, None].expand(B, T) if reset is None else \
                     torch.maximum(torch.where(reset, positions, -1).cummax(dim=1).values, carried[:, None])
                 if cache is not None:
-                    cache.carry("document_start", document_start[:, -1])
+                    cache.carry("document_start", document_start)
             # The masks get the consecutive positions: documents are marked by document_start, never by transformers'
             # own detection of restarting position_ids (which remaps the indices the document test reads).
             masks = self.attention_masks(inputs_embeds, attention_mask, cache, positions.expand(B, T), document_start,
@@ -615,6 +646,8 @@ class BilinearModel(BilinearPreTrainedModel):
                                       **kwargs)
             if output_hidden_states and i < len(self.layers) - 1:
                 all_hidden_states += (hidden_states,)
+        if cache is not None:
+            cache.end_forward()
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -651,12 +684,19 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
                                       max_cache_length):
         """``cache_implementation="static"`` builds a :class:`BilinearStaticCache` of ``max_cache_length`` positions
         (or ``generation_config.max_cache_len``, or the largest of an earlier call: the same shapes reuse the compiled
-        step); otherwise transformers' own preparation, which builds no cache for this model
-        (``_supports_default_dynamic_cache``: the model builds its :class:`BilinearCache` on the first call)."""
-        if generation_config.cache_implementation != "static" or generation_config.use_cache is False \
-                or model_kwargs.get(CACHE_NAME) is not None:
+        step); otherwise a :class:`BilinearCache` (transformers would build a plain ``DynamicCache``:
+        ``_supports_default_dynamic_cache``), recording for a rollback when it is an assistant's (as transformers
+        does for the caches it builds), unless the caller passed a cache or ``use_cache=False``."""
+        if generation_config.use_cache is False or model_kwargs.get(CACHE_NAME) is not None:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                          max_cache_length)
+        if generation_config.cache_implementation != "static":
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                  max_cache_length)  # builds nothing here; warns of an unknown kind
+            model_kwargs[CACHE_NAME] = BilinearCache(self.config)
+            if getattr(generation_config, "is_assistant", False):
+                model_kwargs[CACHE_NAME].activate_past_recording()
+            return
         if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
             raise ValueError("generate(cache_implementation='static') with prefill_chunk_size: transformers compiles "
                              "the prefill's chunks then, and this model's prefill reads the position on the host (the "

@@ -31,6 +31,12 @@ def takes_cache(forward):
             kwargs["cache"] = past_key_values
         return forward(*args, **kwargs)
 
+    # The signature names it too: generate() checks its model kwargs against it (an assistant model's cache).
+    signature = inspect.signature(forward)
+    parameters = list(signature.parameters.values())
+    parameters.insert(len(parameters) - 1, inspect.Parameter("past_key_values", inspect.Parameter.KEYWORD_ONLY,
+                                                             default=None))
+    forward_taking_past_key_values.__signature__ = signature.replace(parameters=parameters)
     return forward_taking_past_key_values
 
 
