@@ -148,8 +148,9 @@ def main(argv=None):
             c = result["counts"]
             accepted = 1 - c.rejected / c.drafted if c.drafted else float("nan")
             per_forward = args.new_tokens * len(prompts) / c.forwards
+            compiled = f"{rate['plain compiled']:.1f}" if "plain compiled" in rate else "-"
             print(f"| {path} ({size}) | {kind} | {rate['plain eager']:.1f} | {rate['prompt lookup']:.1f} | "
-                  f"{rate['prompt lookup'] / rate['plain eager']:.2f}x | {rate['plain compiled']:.1f} | "
+                  f"{rate['prompt lookup'] / rate['plain eager']:.2f}x | {compiled} | "
                   f"{accepted:.0%} of {c.drafted} | {per_forward:.2f} | {result['same']}/{len(prompts)} |",
                   flush=True)
 

@@ -21,7 +21,8 @@ def load_script(name: str):
     return module
 
 
-equal_time, gpu, loss_by_position, speed = (load_script(n) for n in ("equal_time", "gpu", "loss_by_position", "speed"))
+equal_time, gpu, loss_by_position, prompt_lookup, speed = (
+    load_script(n) for n in ("equal_time", "gpu", "loss_by_position", "prompt_lookup", "speed"))
 
 
 @pytest.fixture
@@ -295,3 +296,27 @@ def test_compiled_part_adds_llama_and_another_checkouts_decoding(untimed, monkey
     with pytest.raises(SystemExit):
         speed.main(["--parts", "compiled", "--baseline-tree", str(tmp_path)])
     assert "has no benchmarks/speed.py; pass a checkout of this repository" in capsys.readouterr().err
+
+
+def test_prompt_lookup_counts_drafts_and_checks_the_tokens(tmp_path, monkeypatch, capsys):
+    """benchmarks/prompt_lookup.py on a tiny checkpoint (compiled decoding left out: tested elsewhere, slow to build):
+    one row per text kind, prompt lookup's tokens equal greedy's, and on the repetitive text drafts were made and
+    counted (the passage's opening repeated: lookup finds it)."""
+    import json
+
+    from fixtures import save_tiny_checkpoint
+
+    from bilinear_lm.training import DEFAULT_TRAIN_FILE
+
+    save_tiny_checkpoint(tmp_path / "model", "bilinear")
+    text = Path(DEFAULT_TRAIN_FILE).read_text()[:20_000]
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    monkeypatch.setattr(prompt_lookup, "MODES", ("plain eager", "prompt lookup"))
+    prompt_lookup.main(["--models", str(tmp_path / "model"), "--data", str(tmp_path / "docs.jsonl"), "--texts", "1",
+                        "--passage", "24", "--repeat", "12", "--new-tokens", "8", "--rounds", "1",
+                        "--lookup-tokens", "3"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path}")]
+    assert [row[1] for row in rows] == ["repetitive", "fresh"]
+    assert all(row[-1] == "1/1 |" and row[5] == "-" for row in rows)
+    accepted, drafted = rows[0][6].split("% of ")
+    assert int(drafted) > 0 and 0 <= int(accepted) <= 100
