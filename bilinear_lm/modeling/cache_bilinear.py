@@ -224,18 +224,17 @@ class BilinearCacheMixin:
         """Whether :meth:`crop` can put the cache back as it was: once recording."""
         return self.recording
 
-    def begin_forward(self, num_positions: int) -> int:
-        """Called by the model before a forward of ``num_positions`` positions: how many of the last ones' states
-        the layers should :meth:`record` (0 unless recording)."""
+    def begin_forward(self, num_positions: int) -> None:
+        """Called by the model before a forward of ``num_positions`` positions: sets ``positions_to_record``, how
+        many of the last ones' states the layers should :meth:`record` (0 unless recording)."""
         self._pending = {}
         self.positions_to_record = min(num_positions, self.max_rollback + 1) if self.recording else 0
         if self.positions_to_record and not self._past and self.get_seq_length():
             self._past.append((self.get_seq_length(), self._current_states()))  # where the first recorded forward began
-        return self.positions_to_record
 
     def record(self, slot: tuple, values: torch.Tensor) -> None:
         """Keep ``values`` (``[batch, P, ...]``): ``slot``'s value after each of this forward's last ``P``
-        positions, ``P`` what :meth:`begin_forward` returned."""
+        positions, ``P`` = ``positions_to_record``."""
         self._pending[slot] = values
 
     def end_forward(self) -> None:
@@ -299,7 +298,7 @@ class BilinearCacheMixin:
         elif kind == "window":
             self.set_conv_window(where[0], value, where[1])
         else:
-            self.layers[where[0]].recurrent_states[where[1]] = value
+            self.update_recurrent_state(value, *where)
 
     def _reorder_layers(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
