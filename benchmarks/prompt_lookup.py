@@ -6,9 +6,9 @@ Texts, from a held-out JSONL of documents (``{"text": ...}``), each a passage of
 * repetitive: the passage followed by its own first ``--repeat`` tokens (the model goes on quoting it);
 * fresh: the passage alone (what follows is new text; drafts come only from chance repeats).
 
-Modes: plain eager decoding (``BilinearCache``), prompt lookup (eager: assisted decoding needs a cache that can
-roll back, which the static cache is not), and plain compiled decoding (``cache_implementation="static"``, the
-fastest plain decoding). The decoding rate leaves the prompt's prefill out: ``(N - 1) / (t(N) - t(1))`` with
+Modes: plain eager decoding (``BilinearCache``), prompt lookup (eager: transformers runs assisted decoding
+uncompiled), and plain compiled decoding (``cache_implementation="static"``, the fastest plain decoding). The
+decoding rate leaves the prompt's prefill out: ``(N - 1) / (t(N) - t(1))`` with
 ``t(n)`` the time of ``generate`` for ``n`` new tokens. Columns: tokens/s, prompt lookup over plain eager, the
 share of drafted tokens accepted, new tokens per verification forward, and whether the tokens equal plain greedy
 decoding's (an fp32 argmax can tip where two logits tie to rounding).

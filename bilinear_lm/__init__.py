@@ -2,19 +2,19 @@
 
 Importing the package registers model_type ``"bilinear"`` with ``AutoConfig``, ``AutoModel`` and
 ``AutoModelForCausalLM``, and marks the classes so that ``save_pretrained`` copies the modeling code
-(loadable later with ``trust_remote_code=True`` where this package is not installed).
+(loadable later with ``trust_remote_code=True`` where this package is not installed). The model classes load on
+first use (see :mod:`bilinear_lm.modeling`), so the import itself costs torch and transformers' configuration only.
 """
-
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-from .modeling import BilinearCache, BilinearConfig, BilinearForCausalLM, BilinearModel, BilinearPreTrainedModel
-
-AutoConfig.register(BilinearConfig.model_type, BilinearConfig, exist_ok=True)
-AutoModel.register(BilinearConfig, BilinearModel, exist_ok=True)
-AutoModelForCausalLM.register(BilinearConfig, BilinearForCausalLM, exist_ok=True)
-BilinearConfig.register_for_auto_class()
-BilinearModel.register_for_auto_class("AutoModel")
-BilinearForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+from . import modeling
+from .modeling import BilinearConfig
 
 __version__ = "0.1.0"
-__all__ = ["BilinearCache", "BilinearConfig", "BilinearForCausalLM", "BilinearModel", "BilinearPreTrainedModel"]
+MODEL_TYPES = ("bilinear", "llama", "gated_deltanet", "mamba2", "mamba", "lstm")  # what baselines.build_model builds
+_MODEL_CLASSES = ["BilinearCache", "BilinearForCausalLM", "BilinearModel", "BilinearPreTrainedModel"]
+__all__ = ["BilinearConfig", "MODEL_TYPES", *_MODEL_CLASSES]
+
+
+def __getattr__(name):
+    if name not in _MODEL_CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(modeling, name)

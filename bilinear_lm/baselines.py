@@ -30,11 +30,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Genera
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from . import MODEL_TYPES
 from .modeling.configuration_bilinear import swiglu_width
 from .modeling.transformers_compat import CACHE_NAME
-
-MODEL_TYPES = ("bilinear", "llama", "gated_deltanet", "mamba2", "mamba", "lstm")
-PEER_MODEL_KEYS = {"allow_neg_eigval": bool}  # model-config keys of a peer (gated_deltanet), beside the bilinear ones
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -13,7 +13,7 @@ from bilinear_lm import BilinearCache, BilinearConfig, BilinearForCausalLM
 from bilinear_lm.modeling import dispatch
 from bilinear_lm.modeling.cache_bilinear import BilinearCacheMixin, BilinearStaticCache, cache_layer_tensors
 from bilinear_lm.modeling.modeling_bilinear import BilinearShortConv
-from bilinear_lm.modeling.transformers_compat import returned_cache
+from bilinear_lm.modeling.transformers_compat import CACHE_NAME, returned_cache
 from conftest import TINY_CONFIG
 
 EOS = 3
@@ -104,23 +104,30 @@ def test_decoding_and_left_padding_give_the_full_forward(layout):
 def cache_tensors(cache) -> list[torch.Tensor]:
     """Every tensor a cache holds: each layer's (states, windows, keys), then the model's."""
     tensors = [t for layer in cache.layers for t in cache_layer_tensors(layer)]
-    return tensors + [t for t in (*cache.attention_conv_windows.values(), cache.follows_eos, cache.document_start)
-                      if t is not None]
+    model_state = (*cache.attention_conv_windows.values(), cache.follows_eos, cache.document_start,
+                   getattr(cache, "key_padding", None))
+    return tensors + [t for t in model_state if t is not None]
 
 
+CACHES = {"dynamic": lambda config: BilinearCache(config),
+          "static": lambda config: BilinearStaticCache(config, max_cache_len=48)}
+
+
+@pytest.mark.parametrize("cache_kind", list(CACHES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_crop_goes_back_bit_for_bit_and_continues_as_the_full_forward(layout):
-    """A recording cache runs a draft of 6 tokens after a prefill (an EOS and a normalization boundary inside);
-    ``crop`` back to each of its positions gives the states the draft's forward computed there, bit for bit (before
-    the draft: every tensor of the cache, keys included), and the next forward's logits equal one full forward of
-    what was kept and the continuation."""
+def test_a_crop_goes_back_bit_for_bit_and_continues_as_the_full_forward(layout, cache_kind):
+    """A recording cache (dynamic, or static: buffers written in place) runs a draft of 6 tokens after a prefill (an
+    EOS and a normalization boundary inside); ``crop`` back to each of its positions gives the states the draft's
+    forward computed there, bit for bit (before the draft: every tensor of the cache, keys and the static cache's
+    key buffers included), and the next forward's logits equal one full forward of what was kept and the
+    continuation."""
     model = build(layout, reset_state_at_eos=True, eos_token_id=EOS)
     ids = torch.randint(4, TINY_CONFIG["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(4))
     ids[0, 11] = EOS
     prefill, draft, continuation = ids[:, :9], ids[:, 9:15], ids[:, 15:]
     with torch.no_grad():
         for kept in range(7):
-            cache = BilinearCache(model.config)
+            cache = CACHES[cache_kind](model.config)
             model(prefill, cache=cache)
             cache.activate_past_recording()
             before = [t.clone() for t in cache_tensors(cache)]
@@ -153,8 +160,9 @@ def count_crops(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_assisted_decoding_gives_greedy_decodings_tokens(layout, monkeypatch):
     """Prompt lookup and an assistant model (another random model: most drafts rejected) give plain greedy
-    decoding's tokens, after crops of every length; sampling with the assistant repeats under a seed. The models
-    at a larger init, whose tokens vary (at the default they repeat one token)."""
+    decoding's tokens, after crops of every length, with the cache generate builds and with a static cache passed
+    in; sampling with the assistant repeats under a seed. The models at a larger init, whose tokens vary (at the
+    default they repeat one token)."""
     model = build(layout, initializer_range=0.5)
     assistant = build(layout, seed=1, initializer_range=0.5)
     prompt = torch.randint(4, TINY_CONFIG["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
@@ -168,6 +176,11 @@ def test_assisted_decoding_gives_greedy_decodings_tokens(layout, monkeypatch):
     assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=assistant,
                                       num_assistant_tokens=4), greedy)
     assert max(removed) >= 2
+    removed.clear()
+    static = BilinearStaticCache(model.config, max_cache_len=48)
+    assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4,
+                                      **{CACHE_NAME: static}), greedy)
+    assert {0, 4} < set(removed)
     sampled = []
     for _ in range(2):
         torch.manual_seed(5)
@@ -176,9 +189,9 @@ def test_assisted_decoding_gives_greedy_decodings_tokens(layout, monkeypatch):
 
 
 def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_nothing():
-    """Without recording, beyond ``max_rollback`` positions, with a positive count (transformers' convention is a
-    negative one) and on the static cache (written in place): each a one-line error, and the next forward's logits
-    are as if no crop had been asked."""
+    """Without recording (either cache), beyond ``max_rollback`` positions and with a positive count (transformers'
+    convention is a negative one): each a one-line error, and the next forward's logits are as if no crop had been
+    asked."""
     model = build("hybrid")
     ids = torch.randint(4, TINY_CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -190,7 +203,7 @@ def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_not
                   "positions: call cache.activate_past_recording"),
                  (recording, -3, "cannot go back to position 8, it keeps the states of positions 9..11.*max_rollback=2"),
                  (BilinearCache(model.config), 2, r"pass minus the number of positions to remove"),
-                 (BilinearStaticCache(model.config, max_cache_len=16), -1, "BilinearStaticCache cannot roll back")]
+                 (BilinearStaticCache(model.config, max_cache_len=16), -1, "cannot go back to position 10, it keeps")]
         for cache, count, message in cases:
             model(ids[:, :11] if cache is not recording else ids[:, 4:11], cache=cache)
             with pytest.raises(ValueError, match=message) as error:
@@ -198,8 +211,6 @@ def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_not
             assert "\n" not in str(error.value)
             torch.testing.assert_close(model(ids[:, 11:], cache=cache).logits[:, -1], expected, rtol=1e-10,
                                        atol=1e-10)
-        with pytest.raises(ValueError, match="BilinearStaticCache cannot roll back"):
-            BilinearStaticCache(model.config, max_cache_len=16).activate_past_recording()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

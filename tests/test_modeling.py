@@ -1,6 +1,9 @@
 """Model-level behaviour: scale invariance, padding, long sequences, config validation, HF features."""
 
 import copy
+import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +30,25 @@ def test_auto_classes_are_registered(tiny_bilinear_config):
     model = AutoModelForCausalLM.from_config(tiny_bilinear_config)
     assert isinstance(model, BilinearForCausalLM)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied by default
+
+
+def test_import_defers_the_model_classes_to_the_first_config_even_an_unpickled_one(tiny_bilinear_config):
+    """`import bilinear_lm` loads the configuration only (`train.py --help` stays quick); the first BilinearConfig,
+    here one unpickled (pickle bypasses `__init__`), loads the model classes and registers them with the Auto
+    classes, so `AutoModelForCausalLM.from_config` finds them."""
+    script = f"""
+import pickle, sys
+import bilinear_lm
+from transformers import AutoModelForCausalLM
+assert "bilinear_lm.modeling.modeling_bilinear" not in sys.modules and "transformers.modeling_utils" not in sys.modules
+config = pickle.loads({pickle.dumps(tiny_bilinear_config)!r})
+assert "bilinear_lm.modeling.modeling_bilinear" in sys.modules
+model = AutoModelForCausalLM.from_config(config)
+assert type(model) is bilinear_lm.BilinearForCausalLM and model.config.hidden_size == {tiny_bilinear_config.hidden_size}
+assert bilinear_lm.BilinearForCausalLM._auto_class == "AutoModelForCausalLM"
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_chunked_normalization_does_not_change_logits(tiny_bilinear_config):

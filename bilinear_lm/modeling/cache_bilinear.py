@@ -169,8 +169,7 @@ class BilinearCacheMixin:
     positions: the model hands it, for each forward, the states after each of that forward's last positions
     (:meth:`begin_forward`, :meth:`record`, :meth:`end_forward`); ``crop(-n)`` puts back the states of ``n``
     positions ago, bit for bit, in every layer (tracking and memory heads, convolution windows, ``follows_eos`` and
-    ``document_start``; the attention layers' keys by transformers' own crop). Only :class:`BilinearCache` records:
-    the static cache's buffers are written in place."""
+    ``document_start``; the attention layers' keys by transformers' own crop, or :class:`BilinearStaticCache`'s)."""
 
     def _init_model_state(self, max_rollback: int = 0) -> None:
         self.follows_eos: torch.Tensor | None = None
@@ -211,7 +210,8 @@ class BilinearCacheMixin:
                                 for slot, value in states.items()}) for length, states in self._past]
 
     # The rollback. A slot names one state: ("state", layer, i) a bilinear layer's recurrent state i, ("window",
-    # layer, i) any layer's convolution window i, ("model", name) follows_eos or document_start.
+    # layer, i) any layer's convolution window i, ("model", name) follows_eos or document_start; in the static cache,
+    # ("keys", layer) and ("values", layer) a sliding attention layer's window.
 
     def activate_past_recording(self) -> None:
         """Keep the states of the last ``max_rollback + 1`` positions from now on, so that :meth:`crop` can go back
@@ -229,8 +229,8 @@ class BilinearCacheMixin:
         many of the last ones' states the layers should :meth:`record` (0 unless recording)."""
         self._pending = {}
         self.positions_to_record = min(num_positions, self.max_rollback + 1) if self.recording else 0
-        if self.positions_to_record and not self._past and self.get_seq_length():
-            self._past.append((self.get_seq_length(), self._current_states()))  # where the first recorded forward began
+        if self.positions_to_record and not self._past and self.get_seq_length():  # where recording began
+            self._past.append((int(self.get_seq_length()), self._current_states()))
 
     def record(self, slot: tuple, values: torch.Tensor) -> None:
         """Keep ``values`` (``[batch, P, ...]``): ``slot``'s value after each of this forward's last ``P``
@@ -243,7 +243,7 @@ class BilinearCacheMixin:
         count = self.positions_to_record
         if not count:
             return
-        now, length = self._current_states(), self.get_seq_length()
+        now, length = self._current_states(), int(self.get_seq_length())
         for j in range(count):
             self._past.append((length - count + 1 + j, {**now, **{slot: values[:, j]
                                                                   for slot, values in self._pending.items()}}))
@@ -258,7 +258,7 @@ class BilinearCacheMixin:
         if tokens_to_remove > 0:
             raise ValueError(f"{name}.crop({tokens_to_remove}): pass minus the number of positions to remove (as "
                              "transformers' caches take it), e.g. crop(-2)")
-        length, removed = self.get_seq_length(), -tokens_to_remove
+        length, removed = int(self.get_seq_length()), -tokens_to_remove
         if removed:
             states = next((states for position, states in self._past if position == length - removed), None)
             if states is None:
@@ -274,11 +274,16 @@ class BilinearCacheMixin:
         for layer in self.layers:
             if isinstance(layer, LinearAttentionLayer):
                 layer.cumulative_length -= removed
-            else:  # an attention layer: its keys (transformers' crop; crop(0) trims a sliding window's)
-                layer.crop(-removed)
+            else:
+                self._crop_attention(layer, removed)
+
+    def _crop_attention(self, layer, removed: int) -> None:
+        """An attention layer goes back ``removed`` positions: transformers' crop (``crop(0)`` trims a sliding
+        window's keys)."""
+        layer.crop(-removed)
 
     def _current_states(self) -> dict:
-        """Every slot's value now (``None``: not yet present)."""
+        """Every slot's value now (``None``: not yet present); a slot is only ever replaced, never written into."""
         states = {("model", name): getattr(self, name) for name in ("follows_eos", "document_start")}
         for layer_idx, layer in enumerate(self.layers):
             if isinstance(layer, LinearAttentionLayer):
@@ -294,7 +299,7 @@ class BilinearCacheMixin:
     def _restore(self, slot: tuple, value: torch.Tensor | None) -> None:
         kind, *where = slot
         if kind == "model":
-            setattr(self, where[0], value)
+            setattr(self, where[0], None if value is None else self._keep(getattr(self, where[0]), value))
         elif kind == "window":
             self.set_conv_window(where[0], value, where[1])
         else:
@@ -351,23 +356,62 @@ class BilinearStaticCache(BilinearCacheMixin, StaticCache):
     mask, which the attention layers' masks read: a compiled step takes only its own positions' mask, of a fixed
     shape). Every tensor lives in a buffer allocated by the first (eager) call and updated in place, positions are
     counted in tensors: a compiled step's program runs at every position. Without attention layers nothing has a
-    length: ``max_cache_len`` limits nothing."""
+    length: ``max_cache_len`` limits nothing.
 
-    def __init__(self, config: BilinearConfig, max_cache_len: int, **kwargs):
+    It rolls back as :class:`BilinearCache` does (``activate_past_recording``, ``crop``; assisted decoding with
+    ``generate(..., past_key_values=BilinearStaticCache(...))``, which transformers runs eagerly): the recorded
+    states are copies, restored into the buffers in place; a sliding layer records its window after each position
+    (views of the keys its update returns); a full layer counts back and zeroes the keys it drops (and their
+    padding), so a crop leaves every buffer as if the dropped positions had never run."""
+
+    def __init__(self, config: BilinearConfig, max_cache_len: int, max_rollback: int = MAX_ROLLBACK, **kwargs):
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
         self.layers = [BilinearStaticSlidingWindowLayer(max_cache_len, config.sliding_window)
                        if isinstance(layer, StaticSlidingWindowLayer) else layer for layer in self.layers]
         self.max_cache_len = max_cache_len
         self.key_padding: torch.Tensor | None = None
-        self._init_model_state()
+        self._init_model_state(max_rollback)
 
-    def activate_past_recording(self, *unused) -> None:
-        """Refused, as :meth:`crop` is: the static cache's buffers are written in place, so it keeps no earlier
-        states to go back to."""
-        raise ValueError("BilinearStaticCache cannot roll back (its buffers are written in place): assisted decoding "
-                         "and crop need the dynamic BilinearCache (generate() without cache_implementation='static')")
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' update; while recording, a sliding layer's window after each recorded position too."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer, count = self.layers[layer_idx], self.positions_to_record
+        if count and isinstance(layer, BilinearStaticSlidingWindowLayer):
+            for name, tensor in (("keys", keys), ("values", values)):  # windows of max_cache_len, one per position
+                windows = tensor.unfold(2, layer.max_cache_len, 1).transpose(-1, -2)  # [B, H, T + 1, window, D]
+                self.record((name, layer_idx), windows[:, :, -count:].movedim(2, 1))
+        return keys, values
 
-    crop = activate_past_recording
+    def crop(self, tokens_to_remove: int) -> None:
+        length = int(self.get_seq_length())
+        super().crop(tokens_to_remove)
+        if self.key_padding is not None:
+            self.key_padding[:, int(self.get_seq_length()):length] = False
+
+    crop.__doc__ = BilinearCacheMixin.crop.__doc__
+
+    def _crop_attention(self, layer, removed: int) -> None:
+        """Count back; a full layer zeroes the keys and values it drops (a sliding one's window came back with the
+        recorded states)."""
+        length = int(layer.get_seq_length())
+        layer.cumulative_length -= removed
+        if removed and layer.is_initialized and not isinstance(layer, BilinearStaticSlidingWindowLayer):
+            layer.keys[:, :, length - removed:length] = 0
+            layer.values[:, :, length - removed:length] = 0
+
+    def _current_states(self) -> dict:
+        """Copies of every slot's buffer (written in place later), sliding layers' windows included."""
+        states = super()._current_states()
+        for layer_idx, layer in enumerate(self.layers):
+            if isinstance(layer, BilinearStaticSlidingWindowLayer) and layer.is_initialized:
+                states["keys", layer_idx], states["values", layer_idx] = layer.keys, layer.values
+        return {slot: None if value is None else value.clone() for slot, value in states.items()}
+
+    def _restore(self, slot: tuple, value: torch.Tensor | None) -> None:
+        if slot[0] in ("keys", "values"):
+            getattr(self.layers[slot[1]], slot[0]).copy_(value)
+        else:
+            super()._restore(slot, value)
 
     def _keep(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """Copy ``new`` into ``old``'s buffer (allocated from the first value, outside a graph)."""

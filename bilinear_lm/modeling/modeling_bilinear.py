@@ -729,8 +729,12 @@ class BilinearForCausalLM(BilinearPreTrainedModel, GenerationMixin):
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """transformers' criteria (a compileable cache that is not a plain ``DynamicCache``, no ``disable_compile``,
         no quantizer or offloading), on CPU too for a :class:`BilinearStaticCache`: transformers compiles on
-        accelerators only."""
-        if isinstance(model_kwargs.get(CACHE_NAME), BilinearStaticCache) and self.device.type == "cpu":
+        accelerators only. Never for a recording cache: assisted decoding's verifications (transformers 5.24
+        compiles them) change their number of positions with each draft, and each number would compile again."""
+        cache = model_kwargs.get(CACHE_NAME)
+        if getattr(cache, "recording", False):
+            return False
+        if isinstance(cache, BilinearStaticCache) and self.device.type == "cpu":
             generation_config = copy.copy(generation_config)
             generation_config.compile_config = copy.copy(generation_config.compile_config
                                                          or self._default_compile_config())

@@ -25,10 +25,10 @@ import yaml
 from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg, string_to_bool
 
-from bilinear_lm import BilinearConfig
-from bilinear_lm.baselines import MODEL_TYPES, PEER_MODEL_KEYS
+from bilinear_lm import MODEL_TYPES, BilinearConfig
 
 logger = logging.getLogger(__name__)
+PEER_MODEL_KEYS = {"allow_neg_eigval": bool}  # model-config keys of a peer (gated_deltanet), beside the bilinear ones
 MODEL_PREFIX = "--model."
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
 
