@@ -7,6 +7,7 @@ the model stack of transformers). The model classes load on first use: a name ta
 ``AutoModel`` and ``AutoModelForCausalLM`` and are marked so that ``save_pretrained`` copies the modeling code.
 """
 import importlib
+import threading
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -19,20 +20,24 @@ __all__ = ["BilinearConfig", *_CLASS_MODULES]
 
 
 _registered = False
+_registering = threading.Lock()
 
 
 def register_model_classes() -> None:
-    """Load the model classes and register them with the Auto classes (once; later calls do nothing)."""
+    """Load the model classes and register them with the Auto classes (once, thread-safe; later calls do nothing)."""
     global _registered
     if _registered:
         return
-    _registered = True
-    from .modeling_bilinear import BilinearForCausalLM, BilinearModel
+    with _registering:
+        if _registered:
+            return
+        from .modeling_bilinear import BilinearForCausalLM, BilinearModel
 
-    AutoModel.register(BilinearConfig, BilinearModel, exist_ok=True)
-    AutoModelForCausalLM.register(BilinearConfig, BilinearForCausalLM, exist_ok=True)
-    BilinearModel.register_for_auto_class("AutoModel")
-    BilinearForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+        AutoModel.register(BilinearConfig, BilinearModel, exist_ok=True)
+        AutoModelForCausalLM.register(BilinearConfig, BilinearForCausalLM, exist_ok=True)
+        BilinearModel.register_for_auto_class("AutoModel")
+        BilinearForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+        _registered = True
 
 
 def _new_config(cls, *args, **kwargs):
