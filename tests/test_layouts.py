@@ -191,7 +191,7 @@ def test_assisted_decoding_gives_greedy_decodings_tokens(layout, monkeypatch):
 def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_nothing():
     """Without recording (either cache), beyond ``max_rollback`` positions and with a positive count (transformers'
     convention is a negative one): each a one-line error, and the next forward's logits are as if no crop had been
-    asked."""
+    asked; a ``max_rollback`` that is not a count is refused in one line too."""
     model = build("hybrid")
     ids = torch.randint(4, TINY_CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -211,6 +211,12 @@ def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_not
             assert "\n" not in str(error.value)
             torch.testing.assert_close(model(ids[:, 11:], cache=cache).logits[:, -1], expected, rtol=1e-10,
                                        atol=1e-10)
+    for make in (lambda n: BilinearCache(model.config, max_rollback=n),
+                 lambda n: BilinearStaticCache(model.config, max_cache_len=16, max_rollback=n)):
+        for bad in (-1, 2.5, None):
+            with pytest.raises(ValueError, match=r"max_rollback=.*an int >= 0") as error:
+                make(bad)
+            assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

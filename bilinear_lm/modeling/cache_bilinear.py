@@ -171,7 +171,10 @@ class BilinearCacheMixin:
     positions ago, bit for bit, in every layer (tracking and memory heads, convolution windows, ``follows_eos`` and
     ``document_start``; the attention layers' keys by transformers' own crop, or :class:`BilinearStaticCache`'s)."""
 
-    def _init_model_state(self, max_rollback: int = 0) -> None:
+    def _init_model_state(self, max_rollback: int) -> None:
+        if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
+            raise ValueError(f"{type(self).__name__}(max_rollback={max_rollback!r}): pass how many positions a crop may "
+                             "go back, an int >= 0 (default 64)")
         self.follows_eos: torch.Tensor | None = None
         self.document_start: torch.Tensor | None = None
         self.attention_conv_windows: dict[int, torch.Tensor] = {}
