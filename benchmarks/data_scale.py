@@ -32,15 +32,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), the SIMD level PyTorch uses, and the usable cores."""
-    import torch
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown CPU")
-    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, {len(os.sched_getaffinity(0))} usable cores"
-
-
 def peaks_mib() -> tuple[float, float]:
     """Peak resident memory of this process and of its largest waited-for child, MiB (Linux: ru_maxrss in KiB)."""
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -130,6 +121,7 @@ def main(argv=None) -> None:
     if args.max_mb and not Path(args.file).is_file():
         parser.error(f"--max-mb slices a file; {args.file} is not one")
     from bilinear_lm.training.data import builder_for
+    from bilinear_lm.utils import cpu_name
 
     if args.add_eos is None:
         args.add_eos = builder_for(args.file) != "text"
@@ -144,8 +136,8 @@ def main(argv=None) -> None:
         runs = {n: run_child(args, "tokenize", root, n) for n in map(int, args.num_proc.split(","))}
     mib = 1 << 20
     lines = [f"Data pipeline on {shown} ({size / mib:.1f} MiB, block_size {args.block_size}, BPE vocabulary "
-             f"{args.bpe_vocab_size}, EOS after every row: {args.add_eos}); {cpu_name()}; a fresh datasets cache per "
-             f"run.", "",
+             f"{args.bpe_vocab_size}, EOS after every row: {args.add_eos}); {cpu_name()}, {len(os.sched_getaffinity(0))} usable cores; a fresh "
+             f"datasets cache per run.", "",
              f"BPE training (once, on the training split): {bpe['bpe_s']:.1f} s, peak RSS {bpe['peak_mib'][0]:.0f} MiB "
              f"(loading the text before it: {bpe['load_s']:.1f} s). Peak RSS after the imports alone: "
              f"{bpe['imports_mib']:.0f} MiB.", "",

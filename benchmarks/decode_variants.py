@@ -15,6 +15,7 @@ import torch
 
 from bilinear_lm.modeling import dispatch
 from bilinear_lm.modeling.transformers_compat import CACHE_NAME, returned_cache
+from bilinear_lm.utils import cpu_name
 from speed import SIZES, VOCAB, build
 
 VARIANTS = {  # name: (GEMV, compiled state step)
@@ -55,9 +56,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "
-          f"ATen capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_name()}")
     lines = ["| size | variant | ms/token (median per rep) | best |", "|---|---|---|---|"]
     for size in args.sizes.split(","):
         if size not in SIZES:

@@ -13,6 +13,10 @@ every budget and seed, a fresh run trains ``budget / step time`` steps with a co
 is scored on the whole validation split. The step counts come from the calibration alone, so only the
 calibrations need an otherwise idle machine: the training runs give the same losses however loaded the machine
 is (``--jobs 2`` runs two at a time, one thread each). Finished runs in ``--workdir`` are reused.
+``--record FILE`` keeps what a long comparison has measured where a checkout keeps it (commit it with the results):
+every calibration and finished run is appended to FILE (JSON lines, with the CPU and date) as it ends, and one found
+there, the same preset, steps and train.py flags, is not run again, even on another machine whose workdir is gone. A
+comparison of hours can so be split across sessions, and its step counts stay those of the CPU that calibrated it.
 Prints a table (params, tokens/s, ms/step, validation loss at each budget: mean over seeds and each seed);
 ``--output FILE`` also writes it to FILE.
 
@@ -33,7 +37,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +117,41 @@ def timing_overrides(overrides: list[str]) -> list[str]:
     return kept
 
 
+class Record:
+    """``--record FILE``: measured calibrations and runs by key (the preset, steps and train.py flags), read from FILE
+    at the start and appended to it, one JSON line each with the CPU and date, as each ends (threads may add at once).
+    Without a file: remembers nothing."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.entries, self.lock, self.cpu = path, {}, threading.Lock(), None
+        if path is None or not path.exists():
+            return
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                entry = json.loads(line)
+                self.entries[entry["key"]] = entry
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SystemExit(f"--record {path}: line {n} is not a record of this benchmark (a JSON object with a "
+                                 f"'key'); mend or delete that line (the run it held is then run again)") from None
+
+    def get(self, key: str) -> dict | None:
+        return self.entries.get(key)
+
+    def add(self, key: str, **fields) -> None:
+        if self.path is None:
+            return
+        if self.cpu is None:
+            from bilinear_lm.utils import cpu_name
+
+            self.cpu = cpu_name()
+        entry = {"key": key, **fields, "cpu": self.cpu, "date": date.today().isoformat()}
+        with self.lock:
+            self.entries[key] = entry
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+
 def parse_run(spec: str) -> tuple[str, list[str]]:
     label, sep, overrides = spec.partition("=")
     if not sep or not label or "/" in label:
@@ -134,6 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, help="also write the table to this markdown file (replaced)")
     parser.add_argument("--plot", type=Path, help="loss-vs-time plot of the largest budget (PNG)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (finished runs are reused); default: temporary")
+    parser.add_argument("--record", type=Path, help="JSON lines of every calibration and finished run, appended as "
+                        "each ends; those already there are not run again (a comparison split across sessions)")
     parser.add_argument("--data-dir", default=os.environ.get(DATA_ENV),
                         help=f"the local data of the tinystories and gutenberg presets (default: ${DATA_ENV})")
     args = parser.parse_args(argv)
@@ -151,21 +194,42 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = [parse_run(spec) for spec in (args.runs or DEFAULT_RUNS)]
     threads = 1 if args.jobs > 1 else None
+    record = Record(args.record)
 
     with tempfile.TemporaryDirectory() as scratch:
         work = args.workdir or Path(scratch)
+
+        def run(job) -> tuple[list[dict], int]:
+            """One job's validation records and parameter count: from the record, else trained (then recorded)."""
+            label, budget, seed, steps, overrides = job
+            eval_interval = max(1, steps // args.evals)
+            key = shlex.join([args.preset, str(steps), str(eval_interval), str(args.eval_iters), *overrides])
+            if (done := record.get(key)) is not None:
+                return done["evals"], done["params"]
+            out_dir = work / f"{label}-{budget}-seed{seed}"
+            records = train(preset, out_dir, steps, eval_interval, overrides, threads, args.eval_iters, args.data_dir)
+            evals, params = [r for r in records if "val_loss" in r], parameter_count(out_dir)
+            record.add(key, label=label, budget=budget, seed=seed, steps=steps, threads=threads, params=params,
+                       evals=evals, peak_rss_mib=max((r["peak_rss_mib"] for r in records if "peak_rss_mib" in r),
+                                                     default=None))
+            return evals, params
+
         rows, curves, jobs, calibrations = [], {}, [], {}
         for label, overrides in runs:  # calibrations: one at a time, on an idle machine
             extra = ["--log_interval", str(args.log_interval), *overrides]
             if args.steps is None:
                 timed = timing_overrides(extra)
-                if tuple(timed) not in calibrations:
-                    key = shlex.join([args.preset, str(args.calibration_steps), *timed])
-                    calib_dir = work / f"calib-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-                    calib = train(preset, calib_dir, args.calibration_steps, 0, timed, None, data_dir=args.data_dir)
-                    logged = [r["tokens_per_sec"] for r in calib if "tokens_per_sec" in r][1:]  # after the warm-up
-                    calibrations[tuple(timed)] = (parameter_count(calib_dir), seconds_per_step(calib),
-                                                  sum(logged) / len(logged))
+                if tuple(timed) not in calibrations:  # at the runs' thread count (one each with --jobs 2)
+                    key = shlex.join([args.preset, str(args.calibration_steps), f"threads={threads}", *timed])
+                    if (calib := record.get(key)) is None:
+                        calib_dir = work / f"calib-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+                        logs = train(preset, calib_dir, args.calibration_steps, 0, timed, threads,
+                                     data_dir=args.data_dir)
+                        logged = [r["tokens_per_sec"] for r in logs if "tokens_per_sec" in r][1:]  # after the warm-up
+                        calib = {"params": parameter_count(calib_dir), "step_s": seconds_per_step(logs),
+                                 "tokens_per_sec": sum(logged) / len(logged)}
+                        record.add(key, calibration=True, threads=threads, **calib)
+                    calibrations[tuple(timed)] = (calib["params"], calib["step_s"], calib["tokens_per_sec"])
                 params, step_s, tokens_per_sec = calibrations[tuple(timed)]
                 rows.append((label, params, step_s, tokens_per_sec))
             else:
@@ -175,12 +239,9 @@ def main(argv=None) -> int:
                 for seed in seeds:
                     jobs.append((label, budget, seed, steps, [*extra, "--seed", str(seed)]))
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            results = list(pool.map(lambda j: train(preset, work / f"{j[0]}-{j[1]}-seed{j[2]}", j[3],
-                                                    max(1, j[3] // args.evals), j[4], threads, args.eval_iters,
-                                                    args.data_dir), jobs))
+            results = list(pool.map(run, jobs))
         losses = {}
-        for (label, budget, seed, steps, _), records in zip(jobs, results):
-            evals = [r for r in records if "val_loss" in r]
+        for (label, budget, seed, steps, _), (evals, params) in zip(jobs, results):
             losses.setdefault((label, budget), []).append(evals[-1]["val_loss"])
             print(f"{label}: " + (f"{budget} s budget = " if args.steps is None else "") + f"{steps} steps, seed {seed} "
                   f"-> val loss {evals[-1]['val_loss']:.3f}",
@@ -190,7 +251,7 @@ def main(argv=None) -> int:
                 curves[label] = [(r["step"] * step_s, r["val_loss"]) for r in evals]
             if args.steps is not None and budget == budgets[0] and seed == seeds[0]:
                 i = next(i for i, r in enumerate(rows) if r[0] == label)
-                rows[i] = (label, parameter_count(work / f"{label}-{budget}-seed{seed}"), None, None)
+                rows[i] = (label, params, None, None)
 
     unit = "steps" if args.steps is not None else "s"
     header = "| run | params | tokens/s | ms/step | " + " | ".join(f"val loss @{b} {unit}" for b in budgets) + " |"

@@ -17,6 +17,7 @@ import torch
 
 from bilinear_lm.modeling import BilinearStaticCache, modeling_bilinear
 from bilinear_lm.modeling.delta_rule_reference import reference_delta_rule
+from bilinear_lm.utils import cpu_name
 from speed import VOCAB, build, median, prefill, step_times
 
 MODELS = {"pure": "bilinear", "memory heads": "memory-4", "memory heads, the loop's PyTorch step": "memory-4"}
@@ -60,9 +61,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per model per round")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, "
-          f"ATen capability {torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu_name()}, context {args.context}, "
           f"{args.rounds} rounds of {args.new_tokens} tokens, medians", flush=True)
     print("\n| size | model | compiled ms/token | over pure | eager ms/token | over pure |\n|---|---|---|---|---|---|")
     torch._dynamo.config.recompile_limit = 64  # one compiled program per model and size, all in this process

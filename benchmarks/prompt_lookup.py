@@ -27,16 +27,9 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from bilinear_lm import BilinearForCausalLM
 from bilinear_lm.modeling.cache_bilinear import BilinearCacheMixin
+from bilinear_lm.utils import cpu_name
 
 MODES = ("plain eager", "prompt lookup", "plain compiled")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "CPU unknown"
 
 
 def texts(path: str, tokenizer, count: int, passage: int, repeat: int) -> dict[str, list[torch.Tensor]]:

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 from .modeling.cpu_allocator import keep_freed_memory
 
-__all__ = ["eval_mode", "keep_freed_memory"]
+__all__ = ["cpu_name", "eval_mode", "keep_freed_memory"]
 
 
 @contextmanager
@@ -17,3 +17,20 @@ def eval_mode(model):
         yield model
     finally:
         model.train(was_training)
+
+
+def cpu_name() -> str:
+    """The CPU as a timing names it: its model name, family and model (/proc/cpuinfo: one model name covers AMD's Zen
+    2-5) and the SIMD level PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX2 or AVX512)."""
+    import torch
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+    except OSError:
+        info = {}
+    name = info.get("model name", "unknown CPU")
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']} model {info['model']})"
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"

@@ -2,6 +2,7 @@
 run) and loss_by_position.py's counting. The benchmarks are scripts, not modules of the
 package: loaded by path."""
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -160,6 +161,46 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     # options deleted from train.py are not listed (a run passing one fails in train.py, not here)
     assert not {"--transition_lr_scale", "--model.rotation_init_base", "--model.factor_bias_min",
                 "--model.conv_residual", "--model.gate_activation"} & set(equal_time.UNTIMED_FLAGS)
+
+
+def test_equal_time_record_resumes_a_comparison_on_a_machine_without_its_workdir(monkeypatch, tmp_path, capsys):
+    """--record FILE: each calibration and finished run is appended as it ends (with the CPU and date); a second
+    invocation with that file and an empty workdir trains nothing and prints the same table, and a new learning
+    rate trains that run alone, for the recorded calibration's steps. Calibrations run at the runs' thread count
+    (one with --jobs 2). A line that is not a record is a one-line error naming the file and the line."""
+    calls = []
+
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None):
+        calls.append((out_dir.name, max_steps, threads))
+        if max_steps == 30:
+            return [{"step": s, "train_seconds": s * 0.5, "tokens_per_sec": 100.0} for s in (10, 20, 30)]
+        lr = float(overrides[overrides.index("--learning_rate") + 1])
+        return [{"step": max_steps, "val_loss": 1.0 + lr, "peak_rss_mib": 9.0}]
+
+    monkeypatch.setattr(equal_time, "train", fake_train)
+    monkeypatch.setattr(equal_time, "parameter_count", lambda checkpoint: 1000)
+    record = tmp_path / "record.jsonl"
+    argv = lambda work, *runs: ["--preset", "tiny", "--budgets", "60", "--seeds", "0", "--calibration-steps", "30",
+                                "--jobs", "2", "--workdir", str(tmp_path / work), "--record", str(record),
+                                *[x for r in runs for x in ("--run", r)]]
+    equal_time.main(argv("w1", "a=--learning_rate 1e-3", "b=--learning_rate 2e-3"))
+    first = capsys.readouterr().out
+    assert [c[1:] for c in calls] == [(30, 1), (120, 1), (120, 1)]  # one calibration, at one thread
+    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [e.get("calibration", False) for e in entries] == [True, False, False]
+    assert {e["label"]: e["evals"] for e in entries[1:]} == {"a": [{"step": 120, "val_loss": 1.001,
+                                                                     "peak_rss_mib": 9.0}],
+                                                              "b": [{"step": 120, "val_loss": 1.002,
+                                                                     "peak_rss_mib": 9.0}]}
+    assert all(e["cpu"] and e["date"] and e["threads"] == 1 for e in entries)
+    calls.clear()
+    equal_time.main(argv("w2", "a=--learning_rate 1e-3", "b=--learning_rate 2e-3"))
+    assert calls == [] and capsys.readouterr().out == first
+    equal_time.main(argv("w3", "a=--learning_rate 1e-3", "c=--learning_rate 5e-3"))
+    assert calls == [("c-60-seed0", 120, 1)] and "| c | 0.00M | 100 | 500.0 | **1.005** |" in capsys.readouterr().out
+    record.write_text(record.read_text() + "{not json\n")
+    with pytest.raises(SystemExit, match=f"--record {record}: line 5 is not a record of this benchmark"):
+        equal_time.main(argv("w4", "a=--learning_rate 1e-3"))
 
 
 def test_loss_by_position_counts_from_the_last_eos():

@@ -116,7 +116,7 @@ def test_early_stopping_stops_after_the_first_epoch_at_the_target(monkeypatch):
     assert (r["stop"], r["epochs_run"], r["valid_acc"], r["test_acc"]) == ("target", 3, 0.96, 0.99)
     assert r["steps"] == 3 * 3 and r["examples_seen"] == 3 * 24  # 24 examples in batches of 8, three epochs
     assert [h["valid_acc"] for h in r["history"]] == [0.2, 0.6, 0.96] and len(lines) == 4
-    assert "cost 9 steps, 72 examples" in lines[-1] and "s/step" in lines[-1] and r["device"] == recall.cpu_name()
+    assert "cost 9 steps, 72 examples" in lines[-1] and "s/step" in lines[-1] and r["device"] == recall.cpu_device()
     monkeypatch.setattr(recall, "answer_accuracy", lambda *a, **k: 0.5)
     r = run_recall("lstm", dataclasses.replace(config, epochs=2), log=lines.append)
     assert (r["stop"], r["epochs_run"], r["steps"], r["examples_seen"]) == ("epochs", 2, 6, 48)
@@ -189,7 +189,7 @@ def test_recall_cli_runs_the_sweep_resumes_and_writes_a_table(tmp_path):
     assert table.splitlines()[0] == "| model | params | state floats / layer | 16x2 | 16x3 |"
     assert "| llama hidden_size=16 num_heads=2 | 9k | 512 |" in table  # keys, values: 16 positions x width 16
     assert (tmp_path / "recall_vs_state.png").read_bytes()[:4] == b"\x89PNG"
-    assert "Devices: " + recall.cpu_name().split(",")[0] in table
+    assert "Devices: " + recall.cpu_device().split(",")[0] in table
     assert not list((tmp_path / "checkpoints").iterdir())  # a recorded run's checkpoint is deleted
     assert main(args) == 0 and json.loads((tmp_path / "results.json").read_text()) == runs  # resumed, not rerun
     assert main([*args, "--points", "16x2", "--models", "lstm", "--lrs", "3e-3"]) == 0  # another lr: a new run

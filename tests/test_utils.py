@@ -1,8 +1,9 @@
 """keep_freed_memory (bilinear_lm.utils, bilinear_lm.modeling.cpu_allocator): a large freed block is reused instead of
 mapped and faulted in again, after the call and after the model's first training forward on CPU (which applies it,
-says so once, and not with BILINEAR_LM_KEEP_FREED_MEMORY=0)."""
+says so once, and not with BILINEAR_LM_KEEP_FREED_MEMORY=0); cpu_name, the label of every timing."""
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -67,3 +68,18 @@ def test_the_opt_out_leaves_malloc_as_it_is():
     out = child(TRAIN, BILINEAR_LM_KEEP_FREED_MEMORY="0")
     assert all(int(faults) >= 0.95 * PAGES for faults in out.stdout.split())
     assert "malloc" not in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(shutil.which("lscpu") is None, reason="compared with lscpu")
+def test_cpu_name_names_the_model_its_family_and_the_simd_level_torch_dispatches_to():
+    """What a timing is labelled with, against lscpu's own fields (x86: model name, family, model)."""
+    import torch
+
+    from bilinear_lm.utils import cpu_name
+
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lscpu.splitlines() if ":" in line)}
+    if not {"Model name", "CPU family", "Model"} <= set(fields):
+        pytest.skip("lscpu names no model, family and model here")
+    assert cpu_name() == (f"{fields['Model name']} (family {fields['CPU family']} model {fields['Model']}), "
+                          f"{torch.backends.cpu.get_cpu_capability()}")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..baselines import LSTMLanguageModel, build_model, gated_deltanet_keys, mamba2_keys, optimizer_groups
 from ..modeling.cache_bilinear import cache_layer_tensors
 from ..modeling.transformers_compat import returned_cache
-from ..utils import eval_mode
+from ..utils import cpu_name, eval_mode
 from .config import option
 
 IGNORE = -100
@@ -237,14 +237,9 @@ def recall_data(config: RecallConfig, seed: int = 0) -> dict:
             "test": make(c.test_examples, 2 * 10**6)}
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), the SIMD level PyTorch uses, and torch's thread count."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    except OSError:
-        model = "unknown CPU"
-    return f"{model}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+def cpu_device() -> str:
+    """A run's device on CPU: the CPU (:func:`bilinear_lm.utils.cpu_name`) and torch's thread count."""
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
 
 
 def _log_result(r: dict, log) -> None:
@@ -326,7 +321,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
               "steps": step, "examples_seen": seen,
               "seconds": round(seconds, 1), "train_seconds": round(train_seconds, 1),
               "s_per_step": round(train_seconds / step, 4), "cpu_s_per_step": round(train_cpu / step, 4),
-              "device": cpu_name() if str(device) == "cpu" else str(device), "history": history}
+              "device": cpu_device() if str(device) == "cpu" else str(device), "history": history}
     _log_result(result, log)
     return result
 
