@@ -4,6 +4,8 @@ package: loaded by path."""
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -201,6 +203,35 @@ def test_equal_time_record_resumes_a_comparison_on_a_machine_without_its_workdir
     record.write_text(record.read_text() + "{not json\n")
     with pytest.raises(SystemExit, match=f"--record {record}: line 5 is not a record of this benchmark"):
         equal_time.main(argv("w4", "a=--learning_rate 1e-3"))
+
+
+@pytest.mark.parametrize("script", ["gutenberg_peers.sh", "field_peers.sh"])
+def test_the_peer_comparisons_record_into_the_checkout_and_pass_their_flags_to_a_parser_that_takes_them(
+        script, tmp_path):
+    """The committed commands of issue 47's long comparisons: run with PYTHON set to a stand-in that keeps its
+    arguments, each hands its benchmark a record in docs/peers/, and those arguments parse (equal_time.py's parser;
+    the probes' own parser). The Gutenberg sweep: 7 models x 3 learning rates."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f"#!/bin/sh\nprintf '%s\\0' \"$@\" >> {tmp_path / 'argv'}\nprintf '\\n' >> {tmp_path / 'argv'}\n")
+    stand_in.chmod(0o755)
+    subprocess.run(["bash", str(BENCHMARKS / script)], check=True, env={**os.environ, "PYTHON": str(stand_in)})
+    calls = [line.strip("\0").split("\0") for line in (tmp_path / "argv").read_text().splitlines() if line]
+    if script == "gutenberg_peers.sh":
+        (argv,) = calls
+        assert argv[0] == "benchmarks/equal_time.py" and argv[argv.index("--record") + 1].startswith("docs/peers/")
+        labels = [argv[i + 1].split("=", 1)[0] for i, a in enumerate(argv) if a == "--run"]
+        assert len(labels) == len(set(labels)) == 21 and {label.split("@")[1] for label in labels} == {
+            "1e-3", "5e-4", "2e-3"}
+        runs = [equal_time.parse_run(argv[i + 1]) for i, a in enumerate(argv) if a == "--run"]
+        assert all(o[o.index("--learning_rate") + 1] == label.split("@")[1] for label, o in runs)
+    else:
+        assert len(calls) == 2 and all(argv[argv.index("--output-dir") + 1].startswith("docs/peers/") for argv in calls)
+        from bilinear_lm.probes.cli import build_parser
+
+        for argv in calls:
+            assert argv[0] == "eval/state_tracking.py"
+            args = build_parser().parse_args(argv[1:])
+            assert (args.sweep, args.train_lengths, args.steps) == (True, (3, 40), 1000)
 
 
 def test_loss_by_position_counts_from_the_last_eos():

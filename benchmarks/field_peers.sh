@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 47, the field's formal-language protocol at a CPU budget: Grazzi et al.'s parity and modular arithmetic without
+# and with brackets (train lengths 3-40, test 40-256, 38 sequences a length, scaled accuracy pooled over the test
+# lengths, the model selected at length 256), 1,000 steps of batch 256 (the papers: 20k-100k steps), width 128, for
+# the bilinear family and its peers; seed 0 of every task first, then seeds 1 and 2. One thread.
+#
+#   bash benchmarks/field_peers.sh [more eval/state_tracking.py flags]
+#
+# Resumable by run, also on another machine: the finished runs are in docs/peers/field-steps1000/results.json (commit
+# it; its table.md and plot are rewritten at the end). A run cut in the middle starts again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+models=stack-4,hybrid-4,gated_deltanet_neg-3,gated_deltanet-3,mamba2-3,transformer-3,lstm
+for seeds in 0 1,2; do
+    OMP_NUM_THREADS=1 "${PYTHON:-python}" eval/state_tracking.py --sweep \
+        --tasks field_modular_arithmetic_brackets,field_parity,field_modular_arithmetic --models "$models" \
+        --seeds "$seeds" --train-lengths 3-40 --test-lengths 40-256 --test-size 38 --val-length 256 \
+        --batch-size 256 --hidden-size 128 --num-heads 4 --steps 1000 --eval-every 100 --threads 1 \
+        --output-dir docs/peers/field-steps1000 "$@"
+done
