@@ -271,8 +271,10 @@ def test_cli_errors(ckpts, text_file, tmp_path):
         ppl.main(["--model", str(small), "--tokenizer", ck, "--file", str(text_file), "--mode", "strided"])
 
 
-@pytest.mark.parametrize("model_type", ["gated_deltanet", "mamba2"])
-def test_the_recurrent_peers_stream_exactly(model_type, tokenizer, ids):
+# Mamba2's PyTorch path computes its gated norm and its decays in float32 even in a float64 model, so its streaming
+# and its full forward agree to float32's rounding only (4e-9 of the total on an EPYC Zen 5, under 1e-9 on others)
+@pytest.mark.parametrize("model_type, rel", [("gated_deltanet", 1e-9), ("mamba2", 1e-6)])
+def test_the_recurrent_peers_stream_exactly(model_type, rel, tokenizer, ids):
     """Gated DeltaNet and Mamba2 carry their state across segments: streaming equals one full forward (transformers
     5.23's Mamba2 takes and returns its cache as ``cache_params``, not under the cache argument's name)."""
     from bilinear_lm.baselines import build_model
@@ -284,4 +286,4 @@ def test_the_recurrent_peers_stream_exactly(model_type, tokenizer, ids):
     ref, n = naive_nll(model, x)
     nll, count = ppl.streaming_perplexity(model, x, 7, allow_kv_cache=False)
     assert count == n
-    assert nll == pytest.approx(ref, rel=1e-9)
+    assert nll == pytest.approx(ref, rel=rel)
