@@ -136,8 +136,8 @@ def main(argv=None) -> None:
         runs = {n: run_child(args, "tokenize", root, n) for n in map(int, args.num_proc.split(","))}
     mib = 1 << 20
     lines = [f"Data pipeline on {shown} ({size / mib:.1f} MiB, block_size {args.block_size}, BPE vocabulary "
-             f"{args.bpe_vocab_size}, EOS after every row: {args.add_eos}); {cpu_name()}, {len(os.sched_getaffinity(0))} usable cores; a fresh "
-             f"datasets cache per run.", "",
+             f"{args.bpe_vocab_size}, EOS after every row: {args.add_eos}); {cpu_name()}, "
+             f"{len(os.sched_getaffinity(0))} usable cores; a fresh datasets cache per run.", "",
              f"BPE training (once, on the training split): {bpe['bpe_s']:.1f} s, peak RSS {bpe['peak_mib'][0]:.0f} MiB "
              f"(loading the text before it: {bpe['load_s']:.1f} s). Peak RSS after the imports alone: "
              f"{bpe['imports_mib']:.0f} MiB.", "",

@@ -20,8 +20,8 @@ def eval_mode(model):
 
 
 def cpu_name() -> str:
-    """The CPU as a timing names it: its model name, family and model (/proc/cpuinfo: one model name covers AMD's Zen
-    2-5) and the SIMD level PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX2 or AVX512)."""
+    """The CPU as a timing names it: its model name, family and model (/proc/cpuinfo: "AMD EPYC" names several
+    generations) and the SIMD level PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX2 or AVX512)."""
     import torch
 
     try:
