@@ -21,7 +21,7 @@ def eval_mode(model):
 
 def cpu_name() -> str:
     """The CPU as a timing names it: its model name, family and model (/proc/cpuinfo: "AMD EPYC" names several
-    generations) and the SIMD level PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX2 or AVX512)."""
+    generations) and the SIMD level PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``)."""
     import torch
 
     try:
