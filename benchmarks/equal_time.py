@@ -12,7 +12,8 @@ differ only in optimizer settings or seed share one: they train at the same spee
 every budget and seed, a fresh run trains ``budget / step time`` steps with a cosine schedule ending there and
 is scored on the whole validation split. The step counts come from the calibration alone, so only the
 calibrations need an otherwise idle machine: the training runs give the same losses however loaded the machine
-is (``--jobs 2`` runs two at a time, one thread each). Finished runs in ``--workdir`` are reused.
+is (``--jobs 2`` runs two at a time, one thread each). Finished runs in ``--workdir`` are reused, and a run cut there
+(stopped, killed, the machine gone) continues from the last of its ten saves.
 ``--record FILE`` keeps what a long comparison has measured where a checkout keeps it (commit it with the results):
 every calibration and finished run is appended to FILE (JSON lines, with the CPU and date) as it ends, and one found
 there, the same preset, steps and train.py flags, is not run again, even on another machine whose workdir is gone. A
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,15 +80,22 @@ def local_data(preset: str, data_dir: str | Path | None) -> list[str]:
 
 
 def train(preset: Path, out_dir: Path, max_steps: int, eval_interval: int, overrides: list[str], threads: int | None,
-          eval_iters: int = 0, data_dir: str | Path | None = None):
-    """One train.py run; returns its metrics records. A finished run in out_dir (its final save) is reused."""
+          eval_iters: int = 0, data_dir: str | Path | None = None, checkpoints: int = 0):
+    """One train.py run; returns its metrics records. A finished run in out_dir (its final save) is reused. With
+    ``checkpoints`` > 0 the run saves that many times (the newest kept) and a run cut in out_dir continues from its
+    last save (train.py's resume: the same result as a run never cut) or, with none, starts again; the saves are
+    deleted once it ends."""
     if not (out_dir / "config.json").exists():
         local = local_data(preset.stem, data_dir)
+        saves = ["--save_interval", "0"] if not checkpoints else [
+            "--save_interval", str(math.ceil(max_steps / checkpoints)), "--save_total_limit", "1",
+            "--resume_from_checkpoint", "latest", "--overwrite_output_dir"]
         cmd = [sys.executable, str(TRAIN_SCRIPT), "--config", str(preset), *local, "--output_dir", str(out_dir),
                "--max_steps", str(max_steps), "--eval_interval", str(eval_interval), "--eval_iters", str(eval_iters),
-               "--save_interval", "0", "--sample_tokens", "0", *overrides]
+               *saves, "--sample_tokens", "0", *overrides]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=env)
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -207,7 +216,8 @@ def main(argv=None) -> int:
             if (done := record.get(key)) is not None:
                 return done["evals"], done["params"]
             out_dir = work / f"{label}-{budget}-seed{seed}"
-            records = train(preset, out_dir, steps, eval_interval, overrides, threads, args.eval_iters, args.data_dir)
+            records = train(preset, out_dir, steps, eval_interval, overrides, threads, args.eval_iters, args.data_dir,
+                            checkpoints=10)
             evals, params = [r for r in records if "val_loss" in r], parameter_count(out_dir)
             record.add(key, label=label, budget=budget, seed=seed, steps=steps, threads=threads, params=params,
                        evals=evals, peak_rss_mib=max((r["peak_rss_mib"] for r in records if "peak_rss_mib" in r),

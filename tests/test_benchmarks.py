@@ -138,7 +138,8 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     the same number of steps), another for a different model; a fake train.py records every call."""
     calls = []
 
-    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None):
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None,
+                   checkpoints=0):
         calls.append((out_dir.name, max_steps, overrides))
         if max_steps == 30:  # a calibration: 0.5 s a step for the bilinear model, 0.25 s for llama
             step_s = 0.25 if "llama" in overrides else 0.5
@@ -172,7 +173,8 @@ def test_equal_time_record_resumes_a_comparison_on_a_machine_without_its_workdir
     (one with --jobs 2). A line that is not a record is a one-line error naming the file and the line."""
     calls = []
 
-    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None):
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None,
+                   checkpoints=0):
         calls.append((out_dir.name, max_steps, threads))
         if max_steps == 30:
             return [{"step": s, "train_seconds": s * 0.5, "tokens_per_sec": 100.0} for s in (10, 20, 30)]
@@ -205,33 +207,83 @@ def test_equal_time_record_resumes_a_comparison_on_a_machine_without_its_workdir
         equal_time.main(argv("w4", "a=--learning_rate 1e-3"))
 
 
-@pytest.mark.parametrize("script", ["gutenberg_peers.sh", "field_peers.sh"])
-def test_the_peer_comparisons_record_into_the_checkout_and_pass_their_flags_to_a_parser_that_takes_them(
-        script, tmp_path):
-    """The committed commands of issue 47's long comparisons: run with PYTHON set to a stand-in that keeps its
-    arguments, each hands its benchmark a record in docs/peers/, and those arguments parse (equal_time.py's parser;
-    the probes' own parser). The Gutenberg sweep: 7 models x 3 learning rates."""
+def stand_in_calls(tmp_path, *command) -> list[list[str]]:
+    """The arguments of every call a committed shell command makes to $PYTHON, run with a stand-in that keeps them."""
     stand_in = tmp_path / "python"
     stand_in.write_text(f"#!/bin/sh\nprintf '%s\\0' \"$@\" >> {tmp_path / 'argv'}\nprintf '\\n' >> {tmp_path / 'argv'}\n")
     stand_in.chmod(0o755)
-    subprocess.run(["bash", str(BENCHMARKS / script)], check=True, env={**os.environ, "PYTHON": str(stand_in)})
-    calls = [line.strip("\0").split("\0") for line in (tmp_path / "argv").read_text().splitlines() if line]
-    if script == "gutenberg_peers.sh":
-        (argv,) = calls
-        assert argv[0] == "benchmarks/equal_time.py" and argv[argv.index("--record") + 1].startswith("docs/peers/")
-        labels = [argv[i + 1].split("=", 1)[0] for i, a in enumerate(argv) if a == "--run"]
-        assert len(labels) == len(set(labels)) == 21 and {label.split("@")[1] for label in labels} == {
-            "1e-3", "5e-4", "2e-3"}
-        runs = [equal_time.parse_run(argv[i + 1]) for i, a in enumerate(argv) if a == "--run"]
-        assert all(o[o.index("--learning_rate") + 1] == label.split("@")[1] for label, o in runs)
-    else:
-        assert len(calls) == 2 and all(argv[argv.index("--output-dir") + 1].startswith("docs/peers/") for argv in calls)
-        from bilinear_lm.probes.cli import build_parser
+    subprocess.run(["bash", *command], check=True, env={**os.environ, "PYTHON": str(stand_in)})
+    return [line.strip("\0").split("\0") for line in (tmp_path / "argv").read_text().splitlines() if line]
 
-        for argv in calls:
-            assert argv[0] == "eval/state_tracking.py"
-            args = build_parser().parse_args(argv[1:])
-            assert (args.sweep, args.train_lengths, args.steps) == (True, (3, 40), 1000)
+
+def gutenberg_runs(argv: list[str]) -> list[tuple[str, list[str]]]:
+    assert argv[0] == "benchmarks/equal_time.py" and argv[argv.index("--record") + 1] == "docs/peers/gutenberg.jsonl"
+    return [equal_time.parse_run(argv[i + 1]) for i, a in enumerate(argv) if a == "--run"]
+
+
+def test_the_gutenberg_sweep_runs_seven_models_at_four_learning_rates_and_doubles_past_a_best_at_the_top(tmp_path):
+    """The committed command of issue 47's Gutenberg sweep (a stand-in $PYTHON keeps its arguments): one call, into
+    the record in docs/peers/, of seven models at four learning rates, and the larger ones tried where a best was at
+    the top (Gated DeltaNet 8e-3, Mamba2 8e-3 to 3.2e-2); each run at the learning rate its label names."""
+    (argv,) = stand_in_calls(tmp_path, str(BENCHMARKS / "gutenberg_peers.sh"), "sweep")
+    runs = gutenberg_runs(argv)
+    assert len(runs) == len({label for label, _ in runs}) == 7 * 4 + 4
+    assert {label for label, _ in runs if label.split("@")[1] not in ("5e-4", "1e-3", "2e-3", "4e-3")} == {
+        "gated_deltanet@8e-3", "mamba2@8e-3", "mamba2@1.6e-2", "mamba2@3.2e-2"}
+    assert all(o[o.index("--learning_rate") + 1] == label.split("@")[1] for label, o in runs)
+
+
+def test_the_gutenberg_30_minutes_run_each_model_at_its_best_recorded_learning_rate(tmp_path):
+    """The 30-minute stage's calls: equal time (1800 s) and equal tokens, seed 1337 before 1338, then both seeds.
+    Each model trains at the learning rate whose sweep run in the committed record scored lowest, with the sweep's own
+    flags, and that best is inside the model's grid (below its largest); equal tokens is the pure model's recorded
+    30-minute step count."""
+    calls = stand_in_calls(tmp_path, str(BENCHMARKS / "gutenberg_peers.sh"), "30min")
+    assert [(argv[argv.index("--seeds") + 1], "--steps" in argv) for argv in calls] == [
+        ("1337", False), ("1337", True), ("1338", False), ("1338", True), ("1337,1338", False), ("1337,1338", True)]
+    record = equal_time.Record(BENCHMARKS.parent / "docs" / "peers" / "gutenberg.jsonl")
+    sweep = [e for e in record.entries.values() if e.get("budget") == 600]
+    assert len(sweep) == 7 * 4 + 4
+    best = {}
+    for e in sweep:
+        model, lr = e["label"].split("@")
+        best.setdefault(model, []).append((e["evals"][-1]["val_loss"], lr))
+    (tmp_path / "sweep").mkdir()
+    (sweep_argv,) = stand_in_calls(tmp_path / "sweep", str(BENCHMARKS / "gutenberg_peers.sh"), "sweep")
+    sweep_flags = {label: o for label, o in gutenberg_runs(sweep_argv)}
+    for argv in calls:
+        runs = gutenberg_runs(argv)
+        assert sorted(label for label, _ in runs) == sorted(best)
+        for label, overrides in runs:
+            assert overrides == sweep_flags[f"{label}@{min(best[label])[1]}"], label
+    assert all(float(min(tried)[1]) < max(float(lr) for _, lr in tried) for tried in best.values())
+    pure_calibration = record.get("gutenberg 40 threads=1 --log_interval 10")["step_s"]
+    equal_tokens = {argv[argv.index("--steps") + 1] for argv in calls if "--steps" in argv}
+    assert equal_tokens == {str(int(1800 / pure_calibration))}
+    assert all(argv[argv.index("--budgets") + 1] == "1800" for argv in calls if "--steps" not in argv)
+
+
+def test_the_gutenberg_command_names_its_stage(tmp_path):
+    """Without a stage, or with an unknown one, a one-line error naming the stages; nothing runs."""
+    for stage in ([], ["sweeps"]):
+        out = subprocess.run(["bash", str(BENCHMARKS / "gutenberg_peers.sh"), *stage], capture_output=True, text=True,
+                             env={**os.environ, "PYTHON": "/bin/false"})
+        assert out.returncode != 0 and "sweep" in out.stderr and "30min" in out.stderr
+
+
+def test_the_formal_language_grid_records_into_the_checkout_with_the_field_protocol(tmp_path):
+    """The committed command of issue 47's formal-language grid: three calls (seed 0, A5 and S5 to length 5,120, seeds
+    1 and 2) into docs/peers/, whose arguments the probes' own parser takes: the field's lengths and 1,000 steps."""
+    calls = stand_in_calls(tmp_path, str(BENCHMARKS / "field_peers.sh"))
+    assert len(calls) == 3 and all(argv[argv.index("--output-dir") + 1].startswith("docs/peers/") for argv in calls)
+    from bilinear_lm.probes.cli import build_parser
+
+    for argv in calls:
+        assert argv[0] == "eval/state_tracking.py"
+        args = build_parser().parse_args(argv[1:])
+        assert (args.sweep, args.train_lengths, args.steps) == (True, (3, 40), 1000)
+    groups = build_parser().parse_args(calls[1][1:])
+    assert groups.tasks == "permutation_A5,permutation_S5" and max(groups.test_lengths) == 5120
 
 
 def test_loss_by_position_counts_from_the_last_eos():
@@ -248,6 +300,32 @@ def test_loss_by_position_counts_from_the_last_eos():
     losses, counts = loss_by_position.loss_by_position(Uniform(), ids, 0, [1, 2, 4], batch_size=1)
     assert counts.tolist() == [2, 3]  # position 1: two targets; positions 2-3: three (the EOS targets, 0, are out)
     torch.testing.assert_close(losses, torch.full((2,), math.log(10), dtype=torch.float64))
+
+
+def test_equal_time_runs_continue_when_cut_and_calibrations_never_save(monkeypatch, tmp_path):
+    """A run saves ten times (the newest kept) and continues a cut run from its last save, else starts again
+    (train.py's resume, tested against an uncut run in test_train.py); its saves are deleted once it ends. A
+    calibration saves nothing (a save inside it would be timed)."""
+    commands = []
+
+    def fake_subprocess_run(cmd, **kwargs):
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        (out / "checkpoints" / "step_3").mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 1, "train_seconds": 1.0, "tokens_per_sec": 1.0}\n'
+                                           '{"step": 2, "train_seconds": 2.0, "tokens_per_sec": 1.0, "val_loss": 1.0}\n')
+        (out / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+
+    monkeypatch.setattr(equal_time.subprocess, "run", fake_subprocess_run)
+    equal_time.main(["--preset", "tiny", "--budgets", "20", "--seeds", "0", "--calibration-steps", "2", "--evals", "1",
+                     "--workdir", str(tmp_path), "--run", "a="])
+    calibration, run = commands
+    flag = lambda cmd, name: cmd[cmd.index(name) + 1] if name in cmd else None
+    assert flag(calibration, "--save_interval") == "0" and "--resume_from_checkpoint" not in calibration
+    assert flag(run, "--max_steps") == "20" and flag(run, "--save_interval") == "2"
+    assert flag(run, "--save_total_limit") == "1" and flag(run, "--resume_from_checkpoint") == "latest"
+    assert "--overwrite_output_dir" in run
+    assert not (tmp_path / "a-20-seed0" / "checkpoints").exists() and (tmp_path / "a-20-seed0" / "metrics.jsonl").exists()
 
 
 def test_equal_time_trains_the_hub_presets_on_the_local_data(monkeypatch, tmp_path, capsys):

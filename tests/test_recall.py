@@ -298,4 +298,16 @@ def test_state_floats_count_every_cached_tensor_per_layer():
     # its convolution of x, B and C
     for name in ("gated_deltanet", "gated_deltanet-neg"):
         assert state_floats(recall_model(name, c), c.seq_len) == N * (D // (2 * N)) * (D // N) + (D // 2 * 2 + D) * 4
+    # Zoology's sizing: 2 heads of keys D/2 and values D (its Gated DeltaNet at width 64: 4,096 state floats)
+    assert state_floats(recall_model("gated_deltanet-zoology", c), c.seq_len) == 2 * (D // 2) * D + (2 * D + 2 * D) * 4
     assert state_floats(recall_model("mamba2", c), c.seq_len) == 2 * N * (D // N) * 64 + (2 * D + 2 * 64) * 4
+
+
+def test_zoologys_published_points_are_drawn_in_state_floats_per_layer():
+    """Zoology's "state size" (model.py) is 4 bytes x the recurrent floats of its two layers: its Gated DeltaNet at
+    width 64, a BaseConv layer (64 x 3) beside 2 heads of 32 x 64, is 4 x 4,288 = 17,152 (published: 17,000), which
+    the plot draws at the mean over the layers, 2,144 floats, up to the figure's rounding."""
+    from bilinear_lm.probes.report import ZOOLOGY_FLOATS_PER_LAYER, ZOOLOGY_PUBLISHED
+
+    size = {name: size for name, size, _ in ZOOLOGY_PUBLISHED}["Gated DeltaNet"]
+    assert size * ZOOLOGY_FLOATS_PER_LAYER == pytest.approx((64 * 3 + 2 * 32 * 64) / 2, rel=0.01)

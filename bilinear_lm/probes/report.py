@@ -196,10 +196,13 @@ def recall_table(runs: list[dict]) -> str:
 
 
 # Zoology's published recall against state size (HazyResearch/zoology, January 2026 figure; accuracy on its test mix
-# of 4-256 pairs): (name, state floats per layer, accuracy). Not this repository's protocol or
-# points: a reference curve for plot_recall_vs_state.
+# of 4-256 pairs): (name, Zoology's "state size", accuracy). Not this repository's protocol or points: a reference
+# curve for plot_recall_vs_state. Zoology's state size (model.py, `_compute_state_size`) is 4 bytes x the recurrent
+# floats summed over its 2 layers (its Gated DeltaNet at width 64: a BaseConv layer, 64 x 3, and 2 heads of 32 x 64,
+# 4 x 4,288 = 17,152; convolution windows not counted), so a point is drawn at ZOOLOGY_FLOATS_PER_LAYER x its size.
 ZOOLOGY_PUBLISHED = (("DeltaNet", 9_000, 0.79), ("Gated DeltaNet", 17_000, 0.89), ("RWKV-7", 17_000, 0.82),
                      ("GLA", 4_700, 0.53), ("Mamba-2", 8_000, 0.52))
+ZOOLOGY_FLOATS_PER_LAYER = 1 / (4 * 2)
 
 
 def plot_recall_vs_state(runs: list[dict], path) -> None:
@@ -211,7 +214,8 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, floats, acc in ZOOLOGY_PUBLISHED:
+    for name, size, acc in ZOOLOGY_PUBLISHED:
+        floats = size * ZOOLOGY_FLOATS_PER_LAYER
         ax.scatter(floats, acc, color="gray", marker="x")
         ax.annotate(name, (floats, acc), fontsize=7, color="gray", xytext=(4, -8), textcoords="offset points")
     markers = dict(zip(sorted({r["point"] for r in runs}, key=lambda p: tuple(map(int, p.split("x")))), "osD^v<>"))
