@@ -286,6 +286,30 @@ def test_the_formal_language_grid_records_into_the_checkout_with_the_field_proto
     assert groups.tasks == "permutation_A5,permutation_S5" and max(groups.test_lengths) == 5120
 
 
+def test_the_recall_peers_run_in_the_recall_tables_protocol(tmp_path):
+    """The committed command of issue 47's MQAR cells: one call into docs/peers/, whose arguments the recall CLI's
+    own parser takes: the peers at 64x4 and 128x8 with the protocol of results.md's recall table (docs/recall-runs.json:
+    one lr, at most 8 epochs, width 64, 2 layers, Zoology's data sizes)."""
+    import json
+
+    from bilinear_lm.probes.recall import RecallConfig, zoology_batch_size
+    from bilinear_lm.probes.recall_cli import build_parser
+
+    (argv,) = stand_in_calls(tmp_path, str(BENCHMARKS / "recall_peers.sh"))
+    assert argv[0] == "eval/recall.py"
+    args = build_parser().parse_args(argv[1:])
+    assert args.output_dir.startswith("docs/peers/") and args.points == "64x4,128x8"
+    assert set(args.models.split(",")) == {"gated_deltanet-zoology", "gated_deltanet", "gated_deltanet-neg", "mamba2"}
+    table_runs = json.loads((BENCHMARKS.parent / "docs" / "recall-runs.json").read_text())
+    beside = [r["config"] for r in table_runs if r["model"] in ("llama", "bilinear-memory")
+              and r["config"]["hidden_size"] == 64 and r["point"] in ("64x4", "128x8")]
+    assert len(beside) == 4
+    ours = {f: getattr(args, f) for f in RecallConfig.__dataclass_fields__ if f != "batch_size" and hasattr(args, f)}
+    for c in beside:
+        assert {f: c[f] for f in ours} == ours and float(args.lrs) == c["lr"]
+        assert args.batch_size is None and zoology_batch_size(c["seq_len"]) == c["batch_size"]
+
+
 def test_loss_by_position_counts_from_the_last_eos():
     """Positions by hand (EOS = 0); a model of uniform logits scores ln V at every target, so each bin's loss is
     ln V and its count is the number of targets whose position falls in it."""
