@@ -23,9 +23,9 @@ M="--model.memory_heads 4 --model.memory_key_size 32 --model.memory_value_size 3
 models=("bilinear=" "memory=$M" "hybrid=$H" "gated_deltanet=--model_type gated_deltanet"
         "gated_deltanet_hybrid=--model_type gated_deltanet $H" "mamba2=--model_type mamba2" "llama=--model_type llama")
 LRS="5e-4 1e-3 2e-3 4e-3"
-declare -A MORE_LR=([gated_deltanet]="8e-3" [mamba2]="8e-3 1.6e-2 3.2e-2")  # doubled while a model's best was its largest
+declare -A MORE_LR=([gated_deltanet]="8e-3" [gated_deltanet_hybrid]="8e-3" [mamba2]="8e-3 1.6e-2 3.2e-2")  # doubled while a model's best was its largest
 declare -A BEST_LR=([bilinear]=1e-3 [memory]=2e-3 [hybrid]=2e-3 [gated_deltanet]=4e-3
-                    [gated_deltanet_hybrid]=2e-3 [mamba2]=1.6e-2 [llama]=1e-3)
+                    [gated_deltanet_hybrid]=4e-3 [mamba2]=1.6e-2 [llama]=1e-3)
 EQUAL_TOKENS_STEPS=1240  # int(1800 s / 1.451 s), the pure model's calibration on EPYC Zen 5
 run() {
     "${PYTHON:-python}" benchmarks/equal_time.py --preset gutenberg --jobs 2 --evals 1 --eval-iters 100 \

@@ -32,6 +32,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from . import MODEL_TYPES
 from .modeling.configuration_bilinear import swiglu_width
+from .modeling.modeling_bilinear import init_time_step_bias_
 from .modeling.transformers_compat import CACHE_NAME
 
 
@@ -278,15 +279,22 @@ def _restore_delta_rules(module, args, output) -> None:
 
 
 class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
-    """transformers' ``Qwen3_5ForCausalLM`` (text model) as the Gated DeltaNet baseline, adapted in two places and
+    """transformers' ``Qwen3_5ForCausalLM`` (text model) as the Gated DeltaNet baseline, adapted in three places and
     otherwise transformers' code: a :class:`PositionCountingCache` (an all-linear layout trains and generates; no
-    cache in training unless asked) and ``config.allow_neg_eigval`` (``beta = 2 sigmoid(b)`` in every Gated DeltaNet
-    layer, :class:`GatedDeltaNetConfig`)."""
+    cache in training unless asked), ``config.allow_neg_eigval`` (``beta = 2 sigmoid(b)`` in every Gated DeltaNet
+    layer, :class:`GatedDeltaNetConfig`) and ``dt_bias`` initialized as the Gated DeltaNet paper's code does for
+    training from scratch (:func:`init_time_step_bias_`: a head's decay per token at init, ``exp(-A softplus(dt_bias))``
+    with ``A ~ U(0, 16)``, is ``exp(-A dt)``, dt log-uniform in (0.001, 0.1), mostly near 1), not as Qwen3.5's, whose
+    weights are meant to be loaded: its ``dt_bias = 1`` gives ``exp(-1.31 A)``, e^-10 for the median head, a state that
+    forgets at once. ``from_pretrained`` loads the saved value over it."""
 
     config_class = GatedDeltaNetConfig
 
     def __init__(self, config: GatedDeltaNetConfig):
         super().__init__(config)
+        for layer in self.modules():
+            if isinstance(layer, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
+                init_time_step_bias_(layer.dt_bias)
         if config.allow_neg_eigval:  # hooks, not a wrapped forward: a deep copy of the model keeps them right
             for layer in self.model.layers:
                 if getattr(layer, "linear_attn", None) is not None:

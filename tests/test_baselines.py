@@ -128,6 +128,35 @@ def test_the_negative_eigenvalue_adapter_doubles_beta_and_changes_nothing_else(m
     assert all(getattr(modeling_qwen3_5, name).__name__ == "recording" for name in rules)  # swapped back
 
 
+def test_gated_deltanet_starts_with_the_papers_time_steps_so_its_state_remembers():
+    """Every Gated DeltaNet layer's ``dt_bias`` is the inverse softplus of a step log-uniform in [1e-3, 0.1] (the
+    Gated DeltaNet paper's code), not Qwen3.5's 1; ``A`` stays transformers' U(0.01, 16). So at init (``a = 0``) a
+    head keeps ``exp(-A dt)`` of its state per token: above exp(-1.6) for every head, where ``dt_bias = 1`` keeps
+    ``exp(-1.31 A)``, under 0.25 for a typical A of 8 and below exp(-1.31 * 16) at worst."""
+    import math
+
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    torch.manual_seed(0)
+    model = build_model("gated_deltanet", dict(hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention"] * 2,
+                                               linear_num_key_heads=64, linear_num_value_heads=256,
+                                               linear_key_head_dim=4, linear_value_head_dim=4, intermediate_size=64,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16), 37,
+                        match_bilinear=False)
+    layers = [m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
+    assert len(layers) == 2
+    for layer in layers:
+        dt = F.softplus(layer.dt_bias.double())
+        assert bool((dt >= 1e-3 * (1 - 1e-6)).all() and (dt <= 0.1 * (1 + 1e-6)).all())
+        log_dt = dt.log()  # log-uniform: its mean and spread are the uniform's on [log 1e-3, log 0.1]
+        assert abs(log_dt.mean().item() - math.log(1e-2)) < 0.25 and abs(log_dt.std().item() - 4.6052 / 12 ** 0.5) < 0.2
+        A = layer.A_log.double().exp()
+        assert bool((A >= 0.01 - 1e-6).all() and (A <= 16 + 1e-5).all()) and A.max() > 12
+        assert bool(((-A * dt).exp() > math.exp(-1.6) - 1e-9).all())
+    assert not torch.equal(layers[0].dt_bias, layers[1].dt_bias)
+
+
 @pytest.mark.parametrize("model_type, extra", [("gated_deltanet", {}), ("gated_deltanet", {"allow_neg_eigval": True}),
                                                ("gated_deltanet", {"layer_types": ["bilinear", "full_attention"]}),
                                                ("mamba2", {})])

@@ -224,12 +224,13 @@ def gutenberg_runs(argv: list[str]) -> list[tuple[str, list[str]]]:
 def test_the_gutenberg_sweep_runs_seven_models_at_four_learning_rates_and_doubles_past_a_best_at_the_top(tmp_path):
     """The committed command of issue 47's Gutenberg sweep (a stand-in $PYTHON keeps its arguments): one call, into
     the record in docs/peers/, of seven models at four learning rates, and the larger ones tried where a best was at
-    the top (Gated DeltaNet 8e-3, Mamba2 8e-3 to 3.2e-2); each run at the learning rate its label names."""
+    the top (Gated DeltaNet and its hybrid 8e-3, Mamba2 8e-3 to 3.2e-2); each run at the learning rate its label
+    names."""
     (argv,) = stand_in_calls(tmp_path, str(BENCHMARKS / "gutenberg_peers.sh"), "sweep")
     runs = gutenberg_runs(argv)
-    assert len(runs) == len({label for label, _ in runs}) == 7 * 4 + 4
+    assert len(runs) == len({label for label, _ in runs}) == 7 * 4 + 5
     assert {label for label, _ in runs if label.split("@")[1] not in ("5e-4", "1e-3", "2e-3", "4e-3")} == {
-        "gated_deltanet@8e-3", "mamba2@8e-3", "mamba2@1.6e-2", "mamba2@3.2e-2"}
+        "gated_deltanet@8e-3", "gated_deltanet_hybrid@8e-3", "mamba2@8e-3", "mamba2@1.6e-2", "mamba2@3.2e-2"}
     assert all(o[o.index("--learning_rate") + 1] == label.split("@")[1] for label, o in runs)
 
 
@@ -243,7 +244,7 @@ def test_the_gutenberg_30_minutes_run_each_model_at_its_best_recorded_learning_r
         ("1337", False), ("1337", True), ("1338", False), ("1338", True), ("1337,1338", False), ("1337,1338", True)]
     record = equal_time.Record(BENCHMARKS.parent / "docs" / "peers" / "gutenberg.jsonl")
     sweep = [e for e in record.entries.values() if e.get("budget") == 600]
-    assert len(sweep) == 7 * 4 + 4
+    assert len(sweep) == 7 * 4 + 5
     best = {}
     for e in sweep:
         model, lr = e["label"].split("@")
@@ -286,28 +287,32 @@ def test_the_formal_language_grid_records_into_the_checkout_with_the_field_proto
     assert groups.tasks == "permutation_A5,permutation_S5" and max(groups.test_lengths) == 5120
 
 
-def test_the_recall_peers_run_in_the_recall_tables_protocol(tmp_path):
-    """The committed command of issue 47's MQAR cells: one call into docs/peers/, whose arguments the recall CLI's
+def test_the_recall_peers_run_in_the_recall_tables_protocol_then_at_zoologys_other_lrs(tmp_path):
+    """The committed command of issue 47's MQAR cells: two calls into docs/peers/, whose arguments the recall CLI's
     own parser takes: the peers at 64x4 and 128x8 with the protocol of results.md's recall table (docs/recall-runs.json:
-    one lr, at most 8 epochs, width 64, 2 layers, Zoology's data sizes)."""
+    its lr, at most 8 epochs, width 64, 2 layers, Zoology's data sizes), then the same at Zoology's other three lrs."""
     import json
 
-    from bilinear_lm.probes.recall import RecallConfig, zoology_batch_size
+    from bilinear_lm.probes.recall import ZOOLOGY_LRS, RecallConfig, zoology_batch_size
     from bilinear_lm.probes.recall_cli import build_parser
 
-    (argv,) = stand_in_calls(tmp_path, str(BENCHMARKS / "recall_peers.sh"))
-    assert argv[0] == "eval/recall.py"
-    args = build_parser().parse_args(argv[1:])
-    assert args.output_dir.startswith("docs/peers/") and args.points == "64x4,128x8"
-    assert set(args.models.split(",")) == {"gated_deltanet-zoology", "gated_deltanet", "gated_deltanet-neg", "mamba2"}
+    calls = stand_in_calls(tmp_path, str(BENCHMARKS / "recall_peers.sh"))
+    assert [argv[0] for argv in calls] == ["eval/recall.py"] * 2
+    first, rest = (build_parser().parse_args(argv[1:]) for argv in calls)
     table_runs = json.loads((BENCHMARKS.parent / "docs" / "recall-runs.json").read_text())
     beside = [r["config"] for r in table_runs if r["model"] in ("llama", "bilinear-memory")
               and r["config"]["hidden_size"] == 64 and r["point"] in ("64x4", "128x8")]
     assert len(beside) == 4
-    ours = {f: getattr(args, f) for f in RecallConfig.__dataclass_fields__ if f != "batch_size" and hasattr(args, f)}
-    for c in beside:
-        assert {f: c[f] for f in ours} == ours and float(args.lrs) == c["lr"]
-        assert args.batch_size is None and zoology_batch_size(c["seq_len"]) == c["batch_size"]
+    for args in (first, rest):
+        assert args.output_dir == first.output_dir and args.output_dir.startswith("docs/peers/")
+        assert args.points == "64x4,128x8" and set(args.models.split(",")) == {
+            "gated_deltanet-zoology", "gated_deltanet", "gated_deltanet-neg", "mamba2"}
+        ours = {f: getattr(args, f) for f in RecallConfig.__dataclass_fields__ if f != "batch_size" and hasattr(args, f)}
+        for c in beside:
+            assert {f: c[f] for f in ours} == ours
+            assert args.batch_size is None and zoology_batch_size(c["seq_len"]) == c["batch_size"]
+    assert [float(lr) for lr in first.lrs.split(",")] == sorted({c["lr"] for c in beside})
+    assert sorted(float(lr) for lr in (first.lrs + "," + rest.lrs).split(",")) == sorted(ZOOLOGY_LRS)
 
 
 def test_loss_by_position_counts_from_the_last_eos():

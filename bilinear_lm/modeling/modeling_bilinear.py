@@ -131,6 +131,14 @@ KEY_OFFSET = 0.1  # added to the memory's queries and keys before their unit nor
 BETA_SHIFT = 3.0  # beta = 2 sigmoid(b - BETA_SHIFT): 0.095 at init, a weak write
 
 
+@torch.no_grad()
+def init_time_step_bias_(dt_bias: torch.Tensor) -> None:
+    """Fill a gated delta rule's ``dt_bias`` so that its step at a zero input, ``softplus(dt_bias)``, is log-uniform
+    in (0.001, 0.1): Mamba's initialization, and the Gated DeltaNet paper's (flash-linear-attention's layer)."""
+    dt = torch.empty(dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+    init.copy_(dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
 class BilinearMemory(nn.Module):
     """The memory heads of a bilinear mixer (``config.memory_heads``): a projective gated delta rule
     (``delta_rule_reference.reference_delta_rule``) on queries, keys and values from a short causal convolution (SiLU; queries
@@ -166,10 +174,9 @@ class BilinearMemory(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """Gated DeltaNet's (Mamba's) decay initialization: ``exp(A_log)`` uniform in (1, 16), the softplus of
-        ``dt_bias`` log-uniform in (0.001, 0.1)."""
+        ``dt_bias`` log-uniform in (0.001, 0.1) (:func:`init_time_step_bias_`)."""
         init.copy_(self.A_log, torch.empty(self.num_heads).uniform_(1, 16).log())
-        dt = torch.empty(self.num_heads).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-        init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        init_time_step_bias_(self.dt_bias)
 
     def forward(self, x, memory=None, mask=None, offset: int | torch.Tensor = 0, reset=None, keep: int = 0):
         B, T, _ = x.shape
