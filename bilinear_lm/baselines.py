@@ -292,14 +292,13 @@ class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
 
     def __init__(self, config: GatedDeltaNetConfig):
         super().__init__(config)
-        for layer in self.modules():
-            if isinstance(layer, modeling_qwen3_5.Qwen3_5GatedDeltaNet):
-                init_time_step_bias_(layer.dt_bias)
-        if config.allow_neg_eigval:  # hooks, not a wrapped forward: a deep copy of the model keeps them right
-            for layer in self.model.layers:
-                if getattr(layer, "linear_attn", None) is not None:
-                    layer.linear_attn.register_forward_pre_hook(_swap_in_doubled_beta)
-                    layer.linear_attn.register_forward_hook(_restore_delta_rules, always_call=True)
+        for layer in self.model.layers:
+            if (delta_rule := getattr(layer, "linear_attn", None)) is None:
+                continue  # a full-attention layer
+            init_time_step_bias_(delta_rule.dt_bias)
+            if config.allow_neg_eigval:  # hooks, not a wrapped forward: a deep copy of the model keeps them right
+                delta_rule.register_forward_pre_hook(_swap_in_doubled_beta)
+                delta_rule.register_forward_hook(_restore_delta_rules, always_call=True)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
