@@ -112,9 +112,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import bilinear_lm  # noqa: F401  (registers the Auto classes)
+    from bilinear_lm.evaluation.perplexity import load_model_and_tokenizer
     from bilinear_lm.training.data import load_raw_text, tokenize_and_pack
 
     edges = [int(e) for e in (args.edges or ("1,512,2048,8192,32768,131072" if args.books
@@ -128,8 +126,7 @@ def main(argv=None) -> int:
         + " | ".join(f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])) + " |"
     lines = [header, "|" + "---|" * (len(edges) + bool(args.books))]
     for ckpt in args.checkpoints:
-        tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+        model, tokenizer = load_model_and_tokenizer(ckpt)
         if args.books:
             books = read_books(args.books, tokenizer, args.max_tokens)
             losses, counts, protocol = loss_by_book_position(model, books, edges, args.block_size)

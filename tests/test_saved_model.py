@@ -1,7 +1,9 @@
 """What train.py saves besides metrics, read the way others read it: checkpoints of tied embeddings (saved without
 Accelerate's warning, reloaded tied), the model card (README.md, read by huggingface_hub) and the closing summary."""
 import logging
+from pathlib import Path
 
+import pytest
 import torch
 
 from bilinear_lm import BilinearConfig, BilinearForCausalLM
@@ -98,3 +100,47 @@ def test_the_closing_summary_line_names_losses_time_throughput_memory_and_where_
                            "3.1234 (ppl 22.72, step 10), peak memory ")
     assert line.endswith(f" GiB RSS; model in {tmp_path}, checkpoints in {tmp_path / 'checkpoints'} (newest step_10)")
     assert "not evaluated" in run_summary(RECORDS[:2], 10, 4.0, 5.0, 10, tmp_path)
+
+
+def test_a_saved_gated_deltanet_loads_in_a_fresh_interpreter_by_its_card_and_by_the_perplexity_cli(tmp_path):
+    """model_type "gated_deltanet" is ours, not transformers': its checkpoints (train.py --model_type
+    gated_deltanet) did not load by `AutoModelForCausalLM.from_pretrained`, as the card said, nor in eval/perplexity.py
+    or benchmarks/loss_by_position.py ("Transformers does not recognize this architecture"). Now the card's code, run
+    as written in a new interpreter, gives the saved model's logits, and the CLI its perplexity."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from bilinear_lm.baselines import build_model
+    from bilinear_lm.evaluation.perplexity import evaluate_text
+    from bilinear_lm.training import parse_config, write_model_card
+    from fixtures import cached_tokenizer
+
+    tokenizer = cached_tokenizer()
+    torch.manual_seed(0)
+    model = build_model("gated_deltanet", dict(hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8, rank=8),
+                        len(tokenizer)).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    cfg = parse_config(["--config", "bilinear_lm/configs/tiny.yaml", "--model_type", "gated_deltanet"])
+    write_model_card(tmp_path, cfg, model, 1234, RECORDS)
+    code = re.search(r"```python\n(.*?)```", (tmp_path / "README.md").read_text(), re.S).group(1)
+    assert code.startswith("import bilinear_lm.baselines")
+    ids = tokenizer("To be, or not to be", return_tensors="pt").input_ids
+    torch.save(ids, tmp_path / "ids.pt")
+    code = code.replace("PATH", repr(str(tmp_path))) + (
+        f"\nimport torch\ntorch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, "
+        f"{str(tmp_path / 'logits.pt')!r})\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    with torch.no_grad():
+        assert torch.allclose(torch.load(tmp_path / "logits.pt"), model(ids).logits, atol=1e-6)
+
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 3
+    (tmp_path / "text.txt").write_text(text)
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "eval" / "perplexity.py"), "--model", str(tmp_path), "--file", str(tmp_path / "text.txt"),
+                    "--segment_len", "16", "--output", str(tmp_path / "ppl.json")], check=True, capture_output=True)
+    scored = json.loads((tmp_path / "ppl.json").read_text())["results"]["streaming"]
+    expected = evaluate_text(model, tokenizer, text, segment_len=16)["streaming"]
+    assert scored["tokens"] == expected["tokens"]
+    assert scored["nll"] == pytest.approx(expected["nll"], rel=1e-6)

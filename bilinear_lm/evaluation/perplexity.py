@@ -319,6 +319,8 @@ def load_model_and_tokenizer(ckpt: str, tokenizer_path: str | None = None, trust
     mode; a missing or unloadable checkpoint or tokenizer is a ValueError that says what to pass."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import bilinear_lm.baselines  # noqa: F401  (registers the peers train.py saves: "gated_deltanet", "lstm")
+
     path = Path(ckpt)  # model_type "bilinear" is registered by importing bilinear_lm (this module is in it)
     if not path.exists():
         raise ValueError(f"checkpoint {ckpt!r} does not exist (pass a directory written by save_pretrained)")

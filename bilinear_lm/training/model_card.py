@@ -67,8 +67,10 @@ def _usage(model_type: str) -> str:
                 "tokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n")
     generate = ('\nids = tokenizer("To be", return_tensors="pt").input_ids\n'
                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=True, top_k=50)[0]))\n")
-    if model_type != "bilinear":  # transformers' own Llama / Mamba
-        return ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+    if model_type != "bilinear":  # transformers' own Llama / Mamba / Mamba2, and Qwen3.5's Gated DeltaNet
+        registers = ('import bilinear_lm.baselines   # registers model_type "gated_deltanet" with the Auto classes\n'
+                     if model_type == "gated_deltanet" else "")
+        return (f"```python\n{registers}from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)"
                 f"{generate}```\n")
     return ("With the package (`pip install bilinear-lm`: the C++ CPU kernels and the Triton GPU kernels):\n\n"
