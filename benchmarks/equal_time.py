@@ -54,7 +54,7 @@ DEFAULT_RUNS = ["bilinear=", "llama=--model_type llama", "mamba=--model_type mam
 # these share a calibration.
 UNTIMED_FLAGS = ("--learning_rate", "--min_lr_ratio", "--warmup_steps", "--weight_decay",
                  "--beta1", "--beta2", "--grad_clip", "--seed", "--model.initializer_range",
-                 "--model.input_factor_init_std", "--model.input_factor_multiplier")
+                 "--model.input_factor_init_std", "--model.input_factor_multiplier", "--model.dt_bias_init")
 # The data each preset's results in docs/results.md were measured on, where it is not the preset's own (a Hub dataset):
 # train.py flags, the files relative to the data folder (--data-dir, default $DATA_ENV), passed before a run's own
 # flags (which win).

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 47's Gutenberg protocol for the bilinear family (pure, memory heads, hybrid 3:1) and its peers (Gated DeltaNet,
-# its 3:1 hybrid, Mamba2, Llama), all parameter-matched by the factory; validation: the first 100 batches.
+# its 3:1 hybrid, Mamba2, Llama), all parameter-matched by the factory; validation: the first 100 batches. Gated
+# DeltaNet and its hybrid run twice: initialized as the paper's code does (the factory's default) and as transformers'
+# Qwen3.5 does (`dt_bias` 1), which scored better here.
 #
 #   BILINEAR_LM_DATA_DIR=DIR bash benchmarks/gutenberg_peers.sh sweep   [more equal_time.py flags]
 #   BILINEAR_LM_DATA_DIR=DIR bash benchmarks/gutenberg_peers.sh 30min   [more equal_time.py flags]
@@ -21,11 +23,15 @@ shift
 H="--model.layer_types [bilinear,bilinear,bilinear,full_attention] --model.num_attention_heads 4 --model.num_key_value_heads 4"
 M="--model.memory_heads 4 --model.memory_key_size 32 --model.memory_value_size 32 --model.intermediate_size 512"
 models=("bilinear=" "memory=$M" "hybrid=$H" "gated_deltanet=--model_type gated_deltanet"
-        "gated_deltanet_hybrid=--model_type gated_deltanet $H" "mamba2=--model_type mamba2" "llama=--model_type llama")
+        "gated_deltanet_hybrid=--model_type gated_deltanet $H" "mamba2=--model_type mamba2" "llama=--model_type llama"
+        "gated_deltanet_qwen3_5_init=--model_type gated_deltanet --model.dt_bias_init qwen3_5"
+        "gated_deltanet_hybrid_qwen3_5_init=--model_type gated_deltanet --model.dt_bias_init qwen3_5 $H")
 LRS="5e-4 1e-3 2e-3 4e-3"
-declare -A MORE_LR=([gated_deltanet]="8e-3" [gated_deltanet_hybrid]="8e-3" [mamba2]="8e-3 1.6e-2 3.2e-2")  # doubled while a model's best was its largest
+declare -A MORE_LR=([gated_deltanet]="8e-3" [gated_deltanet_hybrid]="8e-3" [mamba2]="8e-3 1.6e-2 3.2e-2"
+                    [gated_deltanet_qwen3_5_init]="8e-3")  # doubled while a model's best was its largest
 declare -A BEST_LR=([bilinear]=1e-3 [memory]=2e-3 [hybrid]=2e-3 [gated_deltanet]=4e-3
-                    [gated_deltanet_hybrid]=4e-3 [mamba2]=1.6e-2 [llama]=1e-3)
+                    [gated_deltanet_hybrid]=4e-3 [mamba2]=1.6e-2 [llama]=1e-3
+                    [gated_deltanet_qwen3_5_init]=4e-3 [gated_deltanet_hybrid_qwen3_5_init]=2e-3)
 EQUAL_TOKENS_STEPS=1240  # int(1800 s / 1.451 s), the pure model's calibration on EPYC Zen 5
 run() {
     "${PYTHON:-python}" benchmarks/equal_time.py --preset gutenberg --jobs 2 --evals 1 --eval-iters 100 \

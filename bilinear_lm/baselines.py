@@ -12,8 +12,8 @@ parameter count (a meta-device instantiation, no memory) is closest to the bilin
 keeps its layer layout (a bilinear ``layer_types`` with ``full_attention`` entries becomes Qwen3.5's hybrid of
 ``linear_attention`` and ``full_attention`` layers). With ``match_bilinear=False`` (the probes, the tiny test
 checkpoints) the dict is the model's own config: ``LlamaConfig`` / ``Qwen3_5TextConfig`` / ``Mamba2Config`` /
-``MambaConfig`` keys, or ``hidden_size`` / ``num_layers`` for the LSTM. ``allow_neg_eigval`` (Gated DeltaNet only,
-either way) gives its [-1, 1] form.
+``MambaConfig`` keys, or ``hidden_size`` / ``num_layers`` for the LSTM. Gated DeltaNet's own keys, either way
+(``GATED_DELTANET_OPTIONS``): ``allow_neg_eigval`` gives its [-1, 1] form, ``dt_bias_init`` its initialization.
 
 The peers are transformers' own models: Gated DeltaNet is ``Qwen3_5ForCausalLM`` (the text model of Qwen3.5, whose
 ``linear_attention`` layers are Gated DeltaNet) behind :class:`GatedDeltaNetForCausalLM`, a thin adapter; Mamba2 is
@@ -152,7 +152,7 @@ def gated_deltanet_keys(hidden: int, heads: int, layer_types: list[str], tie: bo
 
 def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_size: int):
     """The config of a ``llama``, ``gated_deltanet``, ``mamba2`` or ``mamba`` model with the bilinear model's depth
-    (Gated DeltaNet: its layer layout) and ~its parameter count; ``allow_neg_eigval`` in the dict is Gated
+    (Gated DeltaNet: its layer layout) and ~its parameter count; ``GATED_DELTANET_OPTIONS`` in the dict are Gated
     DeltaNet's."""
     if model_type not in ("llama", "gated_deltanet", "mamba2", "mamba"):
         raise ValueError(f"matched_baseline_config: model_type must be 'llama', 'gated_deltanet', 'mamba2' or "
@@ -160,7 +160,7 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
     from bilinear_lm import BilinearForCausalLM
 
     bilinear_config_dict = dict(bilinear_config_dict)
-    allow_neg_eigval = bool(bilinear_config_dict.pop("allow_neg_eigval", False))
+    options = {key: bilinear_config_dict.pop(key) for key in GATED_DELTANET_OPTIONS if key in bilinear_config_dict}
     bcfg = bilinear_config(bilinear_config_dict, vocab_size)
     target = _meta_count(BilinearForCausalLM, bcfg)
     layers, tie = bcfg.num_hidden_layers, bcfg.tie_word_embeddings
@@ -172,7 +172,7 @@ def matched_baseline_config(model_type: str, bilinear_config_dict: dict, vocab_s
     elif model_type == "gated_deltanet":
         step = 2 * heads  # key heads of hidden / (2 heads); attention heads even for rotary embeddings
         make = lambda h: GatedDeltaNetConfig(vocab_size=vocab_size, **gated_deltanet_keys(  # noqa: E731
-            h, heads, bcfg.layer_types, tie, allow_neg_eigval=allow_neg_eigval))
+            h, heads, bcfg.layer_types, tie, **options))
         cls = GatedDeltaNetForCausalLM
     elif model_type == "mamba2":
         step = heads
@@ -202,10 +202,11 @@ def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_b
     from ``model_config`` itself."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model_type {model_type!r}; choose one of {MODEL_TYPES}")
-    if model_type != "gated_deltanet" and "allow_neg_eigval" in model_config:
-        if model_config["allow_neg_eigval"]:
-            raise ValueError(f"allow_neg_eigval is a gated_deltanet option; {model_type} has no such setting")
-        model_config = {k: v for k, v in model_config.items() if k != "allow_neg_eigval"}
+    if model_type != "gated_deltanet":
+        for key, default in GATED_DELTANET_OPTIONS.items():
+            if model_config.get(key, default) != default:
+                raise ValueError(f"{key} is a gated_deltanet option; {model_type} has no such setting")
+        model_config = {k: v for k, v in model_config.items() if k not in GATED_DELTANET_OPTIONS}
     if model_type == "bilinear":
         from bilinear_lm import BilinearForCausalLM
 
@@ -229,11 +230,18 @@ def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_b
 class GatedDeltaNetConfig(Qwen3_5TextConfig):
     """``Qwen3_5TextConfig`` (its ``linear_attention`` layers are Gated DeltaNet) plus ``allow_neg_eigval``: the delta
     rule's ``beta = 2 sigmoid(b)`` in (0, 2), so the transition ``I - beta k k^T`` has eigenvalues in (-1, 1]
-    (Gated DeltaNet[-1,1], Grazzi et al., ICLR 2025), instead of ``sigmoid(b)``."""
+    (Gated DeltaNet[-1,1], Grazzi et al., ICLR 2025), instead of ``sigmoid(b)``; and ``dt_bias_init``: ``"paper"``
+    (the Gated DeltaNet paper's draw, :class:`GatedDeltaNetForCausalLM`) or ``"qwen3_5"`` (transformers' Qwen3.5
+    initialization, ``dt_bias = 1``)."""
 
     model_type = "gated_deltanet"
 
     allow_neg_eigval: bool = False
+    dt_bias_init: str = "paper"
+
+
+GATED_DELTANET_OPTIONS = {"allow_neg_eigval": False, "dt_bias_init": "paper"}  # the adapter's keys, their defaults
+DT_BIAS_INITS = ("paper", "qwen3_5")
 
 
 class PositionCountingCache(DynamicCache):
@@ -286,16 +294,20 @@ class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
     training from scratch (:func:`init_time_step_bias_`: a head's decay per token at init, ``exp(-A softplus(dt_bias))``
     with ``A ~ U(0, 16)``, is ``exp(-A dt)``, dt log-uniform in (0.001, 0.1), mostly near 1), not as Qwen3.5's, whose
     weights are meant to be loaded: its ``dt_bias = 1`` gives ``exp(-1.31 A)``, e^-10 for the median head, a state that
-    forgets at once. ``from_pretrained`` loads the saved value over it."""
+    forgets at once (``dt_bias_init="qwen3_5"`` keeps it, measured beside the paper's in docs/results-history.md).
+    ``from_pretrained`` loads the saved value over either."""
 
     config_class = GatedDeltaNetConfig
 
     def __init__(self, config: GatedDeltaNetConfig):
+        if config.dt_bias_init not in DT_BIAS_INITS:
+            raise ValueError(f"dt_bias_init must be one of {DT_BIAS_INITS}, got {config.dt_bias_init!r}")
         super().__init__(config)
         for layer in self.model.layers:
             if (delta_rule := getattr(layer, "linear_attn", None)) is None:
                 continue  # a full-attention layer
-            init_time_step_bias_(delta_rule.dt_bias)
+            if config.dt_bias_init == "paper":
+                init_time_step_bias_(delta_rule.dt_bias)
             if config.allow_neg_eigval:  # hooks, not a wrapped forward: a deep copy of the model keeps them right
                 delta_rule.register_forward_pre_hook(_swap_in_doubled_beta)
                 delta_rule.register_forward_hook(_restore_delta_rules, always_call=True)

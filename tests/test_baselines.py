@@ -157,6 +157,29 @@ def test_gated_deltanet_starts_with_the_papers_time_steps_so_its_state_remembers
     assert not torch.equal(layers[0].dt_bias, layers[1].dt_bias)
 
 
+def test_dt_bias_init_qwen3_5_is_transformers_model_as_transformers_builds_it_and_the_paper_differs_in_dt_bias_only():
+    """``dt_bias_init="qwen3_5"``: every weight equals that of transformers' own ``Qwen3_5ForCausalLM`` built from the
+    same keys and seed (``dt_bias`` 1 included); the default (the paper's) differs from it in ``dt_bias`` alone. A value
+    not known, or the key on another model type, is a one-line error."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    keys = dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
+                intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=37)
+    torch.manual_seed(0)
+    theirs = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**keys)).state_dict()
+    for init, differing in (("qwen3_5", set()), ("paper", {"model.layers.0.linear_attn.dt_bias"})):
+        torch.manual_seed(0)
+        ours = build_model("gated_deltanet", {**keys, "dt_bias_init": init}, 37, match_bilinear=False).state_dict()
+        assert ours.keys() == theirs.keys()
+        assert {k for k in ours if not torch.equal(ours[k], theirs[k])} == differing, init
+    assert bool((theirs["model.layers.0.linear_attn.dt_bias"] == 1).all())
+    with pytest.raises(ValueError, match=r"^dt_bias_init must be one of \('paper', 'qwen3_5'\), got 'ones'$"):
+        build_model("gated_deltanet", {**BILINEAR, "dt_bias_init": "ones"}, 37)
+    with pytest.raises(ValueError, match="^dt_bias_init is a gated_deltanet option; mamba2 has no such setting$"):
+        build_model("mamba2", {**BILINEAR, "dt_bias_init": "qwen3_5"}, 37)
+
+
 @pytest.mark.parametrize("model_type, extra", [("gated_deltanet", {}), ("gated_deltanet", {"allow_neg_eigval": True}),
                                                ("gated_deltanet", {"layer_types": ["bilinear", "full_attention"]}),
                                                ("mamba2", {})])

@@ -221,16 +221,18 @@ def gutenberg_runs(argv: list[str]) -> list[tuple[str, list[str]]]:
     return [equal_time.parse_run(argv[i + 1]) for i, a in enumerate(argv) if a == "--run"]
 
 
-def test_the_gutenberg_sweep_runs_seven_models_at_four_learning_rates_and_doubles_past_a_best_at_the_top(tmp_path):
+def test_the_gutenberg_sweep_runs_nine_models_at_four_learning_rates_and_doubles_past_a_best_at_the_top(tmp_path):
     """The committed command of issue 47's Gutenberg sweep (a stand-in $PYTHON keeps its arguments): one call, into
-    the record in docs/peers/, of seven models at four learning rates, and the larger ones tried where a best was at
-    the top (Gated DeltaNet and its hybrid 8e-3, Mamba2 8e-3 to 3.2e-2); each run at the learning rate its label
-    names."""
+    the record in docs/peers/, of nine models (seven, and Gated DeltaNet and its hybrid also with transformers'
+    initialization) at four learning rates, and the larger ones tried where a best was at the top (Gated DeltaNet
+    and its hybrid 8e-3, with transformers' init the former only, Mamba2 8e-3 to 3.2e-2); each run at the learning
+    rate its label names."""
     (argv,) = stand_in_calls(tmp_path, str(BENCHMARKS / "gutenberg_peers.sh"), "sweep")
     runs = gutenberg_runs(argv)
-    assert len(runs) == len({label for label, _ in runs}) == 7 * 4 + 5
+    assert len(runs) == len({label for label, _ in runs}) == 9 * 4 + 6
     assert {label for label, _ in runs if label.split("@")[1] not in ("5e-4", "1e-3", "2e-3", "4e-3")} == {
-        "gated_deltanet@8e-3", "gated_deltanet_hybrid@8e-3", "mamba2@8e-3", "mamba2@1.6e-2", "mamba2@3.2e-2"}
+        "gated_deltanet@8e-3", "gated_deltanet_hybrid@8e-3", "mamba2@8e-3", "mamba2@1.6e-2", "mamba2@3.2e-2",
+        "gated_deltanet_qwen3_5_init@8e-3"}
     assert all(o[o.index("--learning_rate") + 1] == label.split("@")[1] for label, o in runs)
 
 
@@ -244,7 +246,7 @@ def test_the_gutenberg_30_minutes_run_each_model_at_its_best_recorded_learning_r
         ("1337", False), ("1337", True), ("1338", False), ("1338", True), ("1337,1338", False), ("1337,1338", True)]
     record = equal_time.Record(BENCHMARKS.parent / "docs" / "peers" / "gutenberg.jsonl")
     sweep = [e for e in record.entries.values() if e.get("budget") == 600]
-    assert len(sweep) == 7 * 4 + 5
+    assert len(sweep) == 9 * 4 + 6
     best = {}
     for e in sweep:
         model, lr = e["label"].split("@")

@@ -28,7 +28,7 @@ from transformers.hf_argparser import HfArg, string_to_bool
 from bilinear_lm import MODEL_TYPES, BilinearConfig
 
 logger = logging.getLogger(__name__)
-PEER_MODEL_KEYS = {"allow_neg_eigval": bool}  # model-config keys of a peer (gated_deltanet), beside the bilinear ones
+PEER_MODEL_KEYS = {"allow_neg_eigval": bool, "dt_bias_init": str}  # model-config keys of a peer (gated_deltanet)
 MODEL_PREFIX = "--model."
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
 
@@ -90,7 +90,8 @@ class TrainConfig:
                                "it")
     model_type: Literal[MODEL_TYPES] = HfArg(default="bilinear", help="the bilinear LM, or a baseline of about its "
                                              "parameter count (gated_deltanet: --model.allow_neg_eigval true gives "
-                                             "its [-1, 1] form)")
+                                             "its [-1, 1] form, --model.dt_bias_init qwen3_5 transformers' "
+                                             "initialization)")
     batch_size: int = HfArg(default=16, help="sequences per process and micro-step")
     gradient_accumulation_steps: int = HfArg(default=1, help="micro-steps per optimizer step")
     max_steps: int = HfArg(default=1000, help="optimizer steps")
@@ -156,7 +157,7 @@ class Config(NamedTuple):
 
 def model_key_types() -> dict[str, type]:
     """Valid `--model.KEY`s and their types (bool, int, float, str; `object` for anything else, read as YAML): the
-    fields BilinearConfig declares, and the peers' own (`PEER_MODEL_KEYS`: `allow_neg_eigval`, Gated DeltaNet's).
+    fields BilinearConfig declares, and the peers' own (`PEER_MODEL_KEYS`: Gated DeltaNet's).
     `vocab_size` defaults to the tokenizer's length."""
     key_types = {}
     for name, annotation in BilinearConfig.__annotations__.items():
