@@ -30,7 +30,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, Genera
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from . import MODEL_TYPES
+from . import GATED_DELTANET_OPTIONS, MODEL_TYPES
 from .modeling.configuration_bilinear import swiglu_width
 from .modeling.modeling_bilinear import init_time_step_bias_
 from .modeling.transformers_compat import CACHE_NAME
@@ -240,7 +240,6 @@ class GatedDeltaNetConfig(Qwen3_5TextConfig):
     dt_bias_init: str = "paper"
 
 
-GATED_DELTANET_OPTIONS = {"allow_neg_eigval": False, "dt_bias_init": "paper"}  # the adapter's keys, their defaults
 DT_BIAS_INITS = ("paper", "qwen3_5")
 
 
@@ -294,7 +293,8 @@ class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
     training from scratch (:func:`init_time_step_bias_`: a head's decay per token at init, ``exp(-A softplus(dt_bias))``
     with ``A ~ U(0, 16)``, is ``exp(-A dt)``, dt log-uniform in (0.001, 0.1), mostly near 1), not as Qwen3.5's, whose
     weights are meant to be loaded: its ``dt_bias = 1`` gives ``exp(-1.31 A)``, e^-10 for the median head, a state that
-    forgets at once (``dt_bias_init="qwen3_5"`` keeps it, measured beside the paper's in docs/results-history.md).
+    forgets at once. ``dt_bias_init="qwen3_5"`` keeps Qwen3.5's: it scored better on Gutenberg (docs/peers/), so
+    that table has both; the paper's stays the default, the field's from-scratch initialization, for every task.
     ``from_pretrained`` loads the saved value over either."""
 
     config_class = GatedDeltaNetConfig

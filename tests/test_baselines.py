@@ -163,6 +163,9 @@ def test_dt_bias_init_qwen3_5_is_transformers_model_as_transformers_builds_it_an
     not known, or the key on another model type, is a one-line error."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    from bilinear_lm import GATED_DELTANET_OPTIONS
+    from bilinear_lm.baselines import GatedDeltaNetConfig
+
     keys = dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                 linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
                 intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=37)
@@ -174,6 +177,7 @@ def test_dt_bias_init_qwen3_5_is_transformers_model_as_transformers_builds_it_an
         assert ours.keys() == theirs.keys()
         assert {k for k in ours if not torch.equal(ours[k], theirs[k])} == differing, init
     assert bool((theirs["model.layers.0.linear_attn.dt_bias"] == 1).all())
+    assert {key: getattr(GatedDeltaNetConfig(), key) for key in GATED_DELTANET_OPTIONS} == GATED_DELTANET_OPTIONS
     with pytest.raises(ValueError, match=r"^dt_bias_init must be one of \('paper', 'qwen3_5'\), got 'ones'$"):
         build_model("gated_deltanet", {**BILINEAR, "dt_bias_init": "ones"}, 37)
     with pytest.raises(ValueError, match="^dt_bias_init is a gated_deltanet option; mamba2 has no such setting$"):

@@ -132,14 +132,17 @@ def test_a_saved_gated_deltanet_loads_in_a_fresh_interpreter_by_its_card_and_by_
     code = code.replace("PATH", repr(str(tmp_path))) + (
         f"\nimport torch\ntorch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, "
         f"{str(tmp_path / 'logits.pt')!r})\n")
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
     with torch.no_grad():
         assert torch.allclose(torch.load(tmp_path / "logits.pt"), model(ids).logits, atol=1e-6)
 
     text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 3
     (tmp_path / "text.txt").write_text(text)
-    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "eval" / "perplexity.py"), "--model", str(tmp_path), "--file", str(tmp_path / "text.txt"),
-                    "--segment_len", "16", "--output", str(tmp_path / "ppl.json")], check=True, capture_output=True)
+    cli = Path(__file__).parents[1] / "eval" / "perplexity.py"
+    run = subprocess.run([sys.executable, str(cli), "--model", str(tmp_path), "--file", str(tmp_path / "text.txt"),
+                          "--segment_len", "16", "--output", str(tmp_path / "ppl.json")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
     scored = json.loads((tmp_path / "ppl.json").read_text())["results"]["streaming"]
     expected = evaluate_text(model, tokenizer, text, segment_len=16)["streaming"]
     assert scored["tokens"] == expected["tokens"]

@@ -112,7 +112,8 @@ def test_help_lists_every_key_and_every_model_key_with_its_type(capsys):
     for pattern in (r"--model.conv_width +int +0\n", r"--model.additive_input +bool +False\n",
                     r"--model.hidden_act +str +'silu'\n", r"--model.reset_state_at_eos +bool +False\n",
                     r"--model.vocab_size +int +len\(tokenizer\)\n", r"--max_steps MAX_STEPS.*\n +optimizer steps",
-                    r"--config CONFIG +a YAML preset", r"--model.allow_neg_eigval +bool +None\n",
+                    r"--config CONFIG +a YAML preset", r"--model.allow_neg_eigval +bool +False\n",
+                    r"--model.dt_bias_init +str +'paper'\n",
                     r"--model_type \{bilinear,llama,gated_deltanet,mamba2,mamba,lstm\}"):
         assert re.search(pattern, out), pattern
 

@@ -25,10 +25,9 @@ import yaml
 from transformers import HfArgumentParser
 from transformers.hf_argparser import HfArg, string_to_bool
 
-from bilinear_lm import MODEL_TYPES, BilinearConfig
+from bilinear_lm import GATED_DELTANET_OPTIONS, MODEL_TYPES, BilinearConfig
 
 logger = logging.getLogger(__name__)
-PEER_MODEL_KEYS = {"allow_neg_eigval": bool, "dt_bias_init": str}  # model-config keys of a peer (gated_deltanet)
 MODEL_PREFIX = "--model."
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?", re.IGNORECASE)
 
@@ -157,7 +156,7 @@ class Config(NamedTuple):
 
 def model_key_types() -> dict[str, type]:
     """Valid `--model.KEY`s and their types (bool, int, float, str; `object` for anything else, read as YAML): the
-    fields BilinearConfig declares, and the peers' own (`PEER_MODEL_KEYS`: Gated DeltaNet's).
+    fields BilinearConfig declares, and Gated DeltaNet's own (`GATED_DELTANET_OPTIONS`).
     `vocab_size` defaults to the tokenizer's length."""
     key_types = {}
     for name, annotation in BilinearConfig.__annotations__.items():
@@ -165,7 +164,7 @@ def model_key_types() -> dict[str, type]:
             args = [a for a in typing.get_args(annotation) if a is not type(None)]
             annotation = args[0] if len(args) == 1 else object
         key_types[name] = annotation if annotation in (bool, int, float, str) else object
-    return {**key_types, **PEER_MODEL_KEYS}
+    return {**key_types, **{key: type(default) for key, default in GATED_DELTANET_OPTIONS.items()}}
 
 
 def model_value(key: str, text: str):
@@ -200,9 +199,11 @@ class ConfigParser(HfArgumentParser):
     TrainingInputError instead of printing the usage and exiting."""
 
     def __init__(self):
-        lines = ["model keys (BilinearConfig fields; the baselines take their depth and size from them):"]
+        lines = ["model keys (BilinearConfig fields, the baselines take their depth and size from them; then Gated "
+                 "DeltaNet's own):"]
         for key, typ in model_key_types().items():
-            default = "len(tokenizer)" if key == "vocab_size" else repr(getattr(BilinearConfig, key, None))
+            default = "len(tokenizer)" if key == "vocab_size" else repr(
+                GATED_DELTANET_OPTIONS[key] if key in GATED_DELTANET_OPTIONS else getattr(BilinearConfig, key, None))
             lines.append(f"  {MODEL_PREFIX + key:<32} {'value' if typ is object else typ.__name__:<6} {default}")
         super().__init__([DataConfig, TrainConfig], prog="train.py", allow_abbrev=False, epilog="\n".join(lines),
                          formatter_class=_HelpFormatter,
