@@ -10,7 +10,8 @@ from .modeling import BilinearConfig
 
 __version__ = "0.1.0"
 MODEL_TYPES = ("bilinear", "llama", "gated_deltanet", "mamba2", "mamba", "lstm")  # what baselines.build_model builds
-# Gated DeltaNet's own model-config keys (baselines.GatedDeltaNetConfig), beside the bilinear ones, and their defaults
+# Gated DeltaNet's own model-config keys (modeling.configuration_gated_deltanet.GatedDeltaNetConfig), beside the
+# bilinear ones, and their defaults
 GATED_DELTANET_OPTIONS = {"allow_neg_eigval": False, "dt_bias_init": "paper"}
 _MODEL_CLASSES = ["BilinearCache", "BilinearForCausalLM", "BilinearModel", "BilinearPreTrainedModel"]
 __all__ = ["BilinearConfig", "MODEL_TYPES", *_MODEL_CLASSES]

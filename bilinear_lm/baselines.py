@@ -16,7 +16,8 @@ checkpoints) the dict is the model's own config: ``LlamaConfig`` / ``Qwen3_5Text
 (``GATED_DELTANET_OPTIONS``): ``allow_neg_eigval`` gives its [-1, 1] form, ``dt_bias_init`` its initialization.
 
 The peers are transformers' own models: Gated DeltaNet is ``Qwen3_5ForCausalLM`` (the text model of Qwen3.5, whose
-``linear_attention`` layers are Gated DeltaNet) behind :class:`GatedDeltaNetForCausalLM`, a thin adapter; Mamba2 is
+``linear_attention`` layers are Gated DeltaNet) behind :class:`GatedDeltaNetForCausalLM`, a thin adapter
+(``bilinear_lm/modeling/modeling_gated_deltanet.py``, saved with the model as remote code); Mamba2 is
 ``Mamba2ForCausalLM`` as it is.
 """
 from __future__ import annotations
@@ -24,16 +25,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationMixin, LlamaConfig,
-                          LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM,
-                          PreTrainedConfig, PreTrainedModel, Qwen3_5ForCausalLM, Qwen3_5TextConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, LlamaForCausalLM,
+                          Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedConfig,
+                          PreTrainedModel)
 from transformers.modeling_outputs import CausalLMOutput
-from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from . import GATED_DELTANET_OPTIONS, MODEL_TYPES
 from .modeling.configuration_bilinear import swiglu_width
-from .modeling.modeling_bilinear import init_time_step_bias_
-from .modeling.transformers_compat import CACHE_NAME
+from .modeling.configuration_gated_deltanet import GatedDeltaNetConfig
+from .modeling.modeling_gated_deltanet import GatedDeltaNetForCausalLM
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -227,111 +227,6 @@ def build_model(model_type: str, model_config: dict, vocab_size: int, *, match_b
     return model_cls(config_cls(**{**model_config, "vocab_size": vocab_size}))
 
 
-class GatedDeltaNetConfig(Qwen3_5TextConfig):
-    """``Qwen3_5TextConfig`` (its ``linear_attention`` layers are Gated DeltaNet) plus ``allow_neg_eigval``: the delta
-    rule's ``beta = 2 sigmoid(b)`` in (0, 2), so the transition ``I - beta k k^T`` has eigenvalues in (-1, 1]
-    (Gated DeltaNet[-1,1], Grazzi et al., ICLR 2025), instead of ``sigmoid(b)``; and ``dt_bias_init``: ``"paper"``
-    (the Gated DeltaNet paper's draw, :class:`GatedDeltaNetForCausalLM`) or ``"qwen3_5"`` (transformers' Qwen3.5
-    initialization, ``dt_bias = 1``)."""
-
-    model_type = "gated_deltanet"
-
-    allow_neg_eigval: bool = False
-    dt_bias_init: str = "paper"
-
-
-DT_BIAS_INITS = ("paper", "qwen3_5")
-
-
-class PositionCountingCache(DynamicCache):
-    """transformers' ``DynamicCache`` that counts the positions it has seen (``GatedDeltaNetForCausalLM.forward``
-    advances it): Qwen3.5's linear-attention cache layers count none, and without an attention layer
-    ``get_seq_length`` raised (in training, where the model builds a cache, and in ``generate``)."""
-
-    def __init__(self, config):
-        super().__init__(config=config)
-        self.positions = 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.positions
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """A full attention layer's key length and offset (Qwen3.5 has no sliding layers)."""
-        return self.positions + query_length, 0
-
-
-def _beta_doubled(rule):
-    def rule_with_doubled_beta(*args, beta, **kwargs):
-        return rule(*args, beta=2 * beta, **kwargs)
-
-    return rule_with_doubled_beta
-
-
-_DELTA_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-
-
-def _swap_in_doubled_beta(module, args) -> None:
-    """A ``Qwen3_5GatedDeltaNet``'s forward pre-hook: transformers' layer computes ``beta = sigmoid(b)`` and passes it
-    to module-level delta rules, swapped here, for its call, for rules that get ``2 * beta`` (a recomputation under
-    gradient checkpointing calls the hooks again). Not thread-safe: one forward at a time per process."""
-    module._delta_rules = {name: getattr(modeling_qwen3_5, name) for name in _DELTA_RULES}
-    for name, rule in module._delta_rules.items():
-        setattr(modeling_qwen3_5, name, _beta_doubled(rule))
-
-
-def _restore_delta_rules(module, args, output) -> None:
-    """The matching forward hook (``always_call``: also when the forward raises): transformers' rules back."""
-    for name, rule in module.__dict__.pop("_delta_rules", {}).items():
-        setattr(modeling_qwen3_5, name, rule)
-
-
-class GatedDeltaNetForCausalLM(Qwen3_5ForCausalLM):
-    """transformers' ``Qwen3_5ForCausalLM`` (text model) as the Gated DeltaNet baseline, adapted in three places and
-    otherwise transformers' code: a :class:`PositionCountingCache` (an all-linear layout trains and generates; no
-    cache in training unless asked), ``config.allow_neg_eigval`` (``beta = 2 sigmoid(b)`` in every Gated DeltaNet
-    layer, :class:`GatedDeltaNetConfig`) and ``dt_bias`` initialized as the Gated DeltaNet paper's code does for
-    training from scratch (:func:`init_time_step_bias_`: a head's decay per token at init, ``exp(-A softplus(dt_bias))``
-    with ``A ~ U(0, 16)``, is ``exp(-A dt)``, dt log-uniform in (0.001, 0.1), mostly near 1), not as Qwen3.5's, whose
-    weights are meant to be loaded: its ``dt_bias = 1`` gives ``exp(-1.31 A)``, e^-10 for the median head, a state that
-    forgets at once. ``dt_bias_init="qwen3_5"`` keeps Qwen3.5's: it scored better on Gutenberg (docs/peers/), so
-    that table has both; the paper's stays the default, the field's from-scratch initialization, for every task.
-    ``from_pretrained`` loads the saved value over either."""
-
-    config_class = GatedDeltaNetConfig
-
-    def __init__(self, config: GatedDeltaNetConfig):
-        if config.dt_bias_init not in DT_BIAS_INITS:
-            raise ValueError(f"dt_bias_init must be one of {DT_BIAS_INITS}, got {config.dt_bias_init!r}")
-        super().__init__(config)
-        for layer in self.model.layers:
-            if (delta_rule := getattr(layer, "linear_attn", None)) is None:
-                continue  # a full-attention layer
-            if config.dt_bias_init == "paper":
-                init_time_step_bias_(delta_rule.dt_bias)
-            if config.allow_neg_eigval:  # hooks, not a wrapped forward: a deep copy of the model keeps them right
-                delta_rule.register_forward_pre_hook(_swap_in_doubled_beta)
-                delta_rule.register_forward_hook(_restore_delta_rules, always_call=True)
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # generate() would build a plain DynamicCache: forward builds a PositionCountingCache
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, *, inputs_embeds=None, use_cache=None,
-                **kwargs):
-        """``Qwen3_5ForCausalLM.forward`` (the rest by keyword), with a :class:`PositionCountingCache` built where a
-        cache is used and none is given (training uses none unless ``use_cache=True``)."""
-        cache = kwargs.get(CACHE_NAME, kwargs.get("past_key_values"))  # the old name: transformers' warning, later
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if use_cache and cache is None:
-            cache = kwargs[CACHE_NAME] = PositionCountingCache(self.config)
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        if isinstance(cache, PositionCountingCache):
-            cache.positions += (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        return out
-
-
 class LSTMConfig(PreTrainedConfig):
     """Configuration of :class:`LSTMLanguageModel`: ``vocab_size``, ``hidden_size``, ``num_layers``."""
 
@@ -387,11 +282,13 @@ class LSTMLanguageModel(PreTrainedModel, GenerationMixin):
 
 
 # after `import bilinear_lm.baselines`, Auto classes load a saved LSTM LM (e.g. train.py --model_type lstm output) and
-# a saved Gated DeltaNet with its adapter
+# a saved Gated DeltaNet with its adapter; a saved Gated DeltaNet also carries the adapter as remote code
 AutoConfig.register(LSTMConfig.model_type, LSTMConfig, exist_ok=True)
 AutoModelForCausalLM.register(LSTMConfig, LSTMLanguageModel, exist_ok=True)
 AutoConfig.register(GatedDeltaNetConfig.model_type, GatedDeltaNetConfig, exist_ok=True)
 AutoModelForCausalLM.register(GatedDeltaNetConfig, GatedDeltaNetForCausalLM, exist_ok=True)
+GatedDeltaNetConfig.register_for_auto_class()
+GatedDeltaNetForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
 def matched_lstm(bilinear_config_dict: dict, vocab_size: int) -> LSTMLanguageModel:

@@ -138,8 +138,9 @@ def _package_imports(path: Path) -> set[str]:
 
 
 def test_imports_flow_one_way():
-    """The kernels import nothing from the modeling code, the config nothing of the machinery it configures, and the
-    modeling modules import each other without a circle (lazy imports included)."""
+    """The kernels import nothing from the modeling code, the config nothing of the machinery it configures, the
+    modeling modules import each other without a circle (lazy imports included), and the Gated DeltaNet peer's
+    modules nothing of the bilinear model."""
     modeling = {p.stem: p for p in (REPO / "bilinear_lm" / "modeling").glob("*.py") if p.stem != "__init__"}
     for path in (REPO / "bilinear_lm" / "kernels").rglob("*.py"):
         assert not {m for m in _package_imports(path) if m.startswith("bilinear_lm.modeling")}, path
@@ -153,3 +154,6 @@ def test_imports_flow_one_way():
 
     circles = [name for name in modeling if reaches(name, name)]
     assert not circles, edges
+    # the Gated DeltaNet peer's saved remote code holds nothing of the bilinear model
+    peer = {n for n in modeling if reaches("modeling_gated_deltanet", n)}
+    assert peer == {"configuration_gated_deltanet", "initialization", "transformers_compat"}, peer

@@ -1,6 +1,7 @@
 """What train.py saves besides metrics, read the way others read it: checkpoints of tied embeddings (saved without
 Accelerate's warning, reloaded tied), the model card (README.md, read by huggingface_hub) and the closing summary."""
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -102,15 +103,19 @@ def test_the_closing_summary_line_names_losses_time_throughput_memory_and_where_
     assert "not evaluated" in run_summary(RECORDS[:2], 10, 4.0, 5.0, 10, tmp_path)
 
 
-def test_a_saved_gated_deltanet_loads_in_a_fresh_interpreter_by_its_card_and_by_the_perplexity_cli(tmp_path):
+def test_a_saved_gated_deltanet_loads_without_the_package_by_its_card_and_in_the_perplexity_cli(tmp_path):
     """model_type "gated_deltanet" is ours, not transformers': its checkpoints (train.py --model_type
     gated_deltanet) did not load by `AutoModelForCausalLM.from_pretrained`, as the card said, nor in eval/perplexity.py
-    or benchmarks/loss_by_position.py ("Transformers does not recognize this architecture"). Now the card's code, run
-    as written in a new interpreter, gives the saved model's logits, and the CLI its perplexity."""
+    or benchmarks/loss_by_position.py ("Transformers does not recognize this architecture"), nor in lm-eval's
+    `--model hf` (no remote code). Now the folder holds the adapter as remote code: the card's code, run as written in
+    a new interpreter where bilinear_lm cannot be imported, gives the saved model's logits and greedy continuation (the
+    [-1, 1] form: its doubled beta is the adapter's), and the CLI its perplexity."""
     import json
     import re
     import subprocess
     import sys
+
+    from huggingface_hub import ModelCard
 
     from bilinear_lm.baselines import build_model
     from bilinear_lm.evaluation.perplexity import evaluate_text
@@ -119,23 +124,30 @@ def test_a_saved_gated_deltanet_loads_in_a_fresh_interpreter_by_its_card_and_by_
 
     tokenizer = cached_tokenizer()
     torch.manual_seed(0)
-    model = build_model("gated_deltanet", dict(hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8, rank=8),
-                        len(tokenizer)).eval()
+    model = build_model("gated_deltanet", dict(hidden_size=32, num_hidden_layers=2, num_heads=2, state_size=8, rank=8,
+                                               allow_neg_eigval=True), len(tokenizer)).eval()
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     cfg = parse_config(["--config", "bilinear_lm/configs/tiny.yaml", "--model_type", "gated_deltanet"])
     write_model_card(tmp_path, cfg, model, 1234, RECORDS)
+    assert "custom_code" in ModelCard.load(tmp_path / "README.md").data.tags
     code = re.search(r"```python\n(.*?)```", (tmp_path / "README.md").read_text(), re.S).group(1)
-    assert code.startswith("import bilinear_lm.baselines")
+    assert "trust_remote_code=True" in code and "bilinear_lm" not in code
     ids = tokenizer("To be, or not to be", return_tensors="pt").input_ids
     torch.save(ids, tmp_path / "ids.pt")
-    code = code.replace("PATH", repr(str(tmp_path))) + (
-        f"\nimport torch\ntorch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, "
-        f"{str(tmp_path / 'logits.pt')!r})\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    code = code.replace("PATH", repr(str(tmp_path)))
+    code = ('import sys\nsys.modules["bilinear_lm"] = None  # the package is not importable here\n' + code + (
+        f"\nimport torch\nassert type(model).__module__.startswith('transformers_modules'), type(model).__module__\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        f"torch.save((model(ids).logits, model.generate(ids, max_new_tokens=4, do_sample=False)), "
+        f"{str(tmp_path / 'out.pt')!r})\n"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    logits, generated = torch.load(tmp_path / "out.pt")
     with torch.no_grad():
-        assert torch.allclose(torch.load(tmp_path / "logits.pt"), model(ids).logits, atol=1e-6)
+        assert torch.allclose(logits, model(ids).logits, atol=1e-6)
+        assert torch.equal(generated, model.generate(ids, max_new_tokens=4, do_sample=False))
 
     text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 3
     (tmp_path / "text.txt").write_text(text)

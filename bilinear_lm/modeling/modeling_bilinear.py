@@ -26,6 +26,7 @@ from .cache_bilinear import BilinearCache, BilinearCacheMixin, BilinearStaticCac
 from .configuration_bilinear import BilinearConfig
 from .cpu_allocator import keep_freed_memory_when_training
 from .dispatch import linear, memory_recurrence, rms_norm, state_norm, swiglu
+from .initialization import init_time_step_bias_
 from .input_checks import check_attention_mask, check_input_ids, check_labels
 from .transformers_compat import CACHE_NAME, returned_cache, takes_cache
 from .transitions import TRANSITIONS
@@ -129,14 +130,6 @@ def windows_after(full, doc, T: int, keep: int = 0):
 
 KEY_OFFSET = 0.1  # added to the memory's queries and keys before their unit norm (BilinearMemory: why)
 BETA_SHIFT = 3.0  # beta = 2 sigmoid(b - BETA_SHIFT): 0.095 at init, a weak write
-
-
-@torch.no_grad()
-def init_time_step_bias_(dt_bias: torch.Tensor) -> None:
-    """Fill a gated delta rule's ``dt_bias`` so that its step at a zero input, ``softplus(dt_bias)``, is log-uniform
-    in (0.001, 0.1): Mamba's initialization, and the Gated DeltaNet paper's (flash-linear-attention's layer)."""
-    dt = torch.empty(dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-    init.copy_(dt_bias, dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
 
 class BilinearMemory(nn.Module):

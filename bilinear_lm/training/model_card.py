@@ -67,10 +67,15 @@ def _usage(model_type: str) -> str:
                 "tokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n")
     generate = ('\nids = tokenizer("To be", return_tensors="pt").input_ids\n'
                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=True, top_k=50)[0]))\n")
-    if model_type != "bilinear":  # transformers' own Llama / Mamba / Mamba2, and Qwen3.5's Gated DeltaNet
-        registers = ('import bilinear_lm.baselines   # registers model_type "gated_deltanet" with the Auto classes\n'
-                     if model_type == "gated_deltanet" else "")
-        return (f"```python\n{registers}from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+    if model_type == "gated_deltanet":  # Qwen3.5's, behind the adapter saved in the folder
+        return ("The adapter around transformers' Qwen3.5 (`bilinear_lm.baselines.GatedDeltaNetForCausalLM`) is saved "
+                "in this folder and runs as remote code, with or without the package:\n\n"
+                "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)\n"
+                "tokenizer = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)   # else it asks y/N on a "
+                f"terminal{generate}```\n")
+    if model_type != "bilinear":  # transformers' own Llama / Mamba / Mamba2
+        return ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)"
                 f"{generate}```\n")
     return ("With the package (`pip install bilinear-lm`: the C++ CPU kernels and the Triton GPU kernels):\n\n"
@@ -99,7 +104,8 @@ def model_card(cfg: Config, model, n_params: int, records: list[dict], harness: 
     step = final.get("step") or (train or {}).get("step", 0)
     processes = final.get("num_processes", 1)
     tokens = step * cfg.train.batch_size * cfg.train.gradient_accumulation_steps * processes * cfg.data.block_size
-    tags = ["bilinear-lm", "recurrent", "text-generation"] + (["custom_code"] if model_type == "bilinear" else [])
+    remote_code = model_type in ("bilinear", "gated_deltanet")  # the folder holds modeling code
+    tags = ["bilinear-lm", "recurrent", "text-generation"] + (["custom_code"] if remote_code else [])
     metadata = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=tags,
                              datasets=hub_datasets, model_name=Path(cfg.train.output_dir).resolve().name)
 
