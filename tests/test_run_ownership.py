@@ -22,15 +22,18 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from bilinear_lm.training import TrainingInputError, parse_config, read_metrics, verify_checkpoint
-from test_train import ENV, Runs, losses, small_text, tiny_args  # noqa: F401 - small_text: the module's fixture
+from test_train import ENV, REPO, Runs, losses, small_text, tiny_args  # noqa: F401 - small_text: the module's fixture
 
 HOST = socket.gethostname()
+ACCELERATE_1_16 = Version(version("accelerate")) >= Version("1.16")  # its launchers exit 128 + signal
 LOCK_FILE = ".train.lock"  # held by a live run's main process, and naming it
 # runs that train until they are signalled: no evaluation, no periodic checkpoint, no sample; warmup longer than any
 # of them, so that the learning rate of a step does not depend on max_steps (the reference run stops early)
@@ -81,12 +84,13 @@ def stopped_line(output: str, name: str) -> re.Match:
 
 
 class Stopper(threading.Thread):
-    """Sends `signum` to `proc` once it has logged step `step` to out_dir/metrics.jsonl, then waits for it to end;
-    `outcome()`: its output, its exit status and the seconds from the signal to its end."""
+    """Sends `signum` to `proc` (`group`: to its process group, as a terminal's Ctrl-C does) once it has logged step
+    `step` to out_dir/metrics.jsonl, then waits for it to end; `outcome()`: its output, its exit status and the
+    seconds from the signal to its end."""
 
-    def __init__(self, proc, out_dir: Path, step: int, signum: int):
+    def __init__(self, proc, out_dir: Path, step: int, signum: int, group: bool = False):
         super().__init__(daemon=True)
-        self.proc, self.out_dir, self.step, self.signum = proc, out_dir, step, signum
+        self.proc, self.out_dir, self.step, self.signum, self.group = proc, out_dir, step, signum, group
         self.result, self.error = None, None
         self.start()
 
@@ -94,7 +98,10 @@ class Stopper(threading.Thread):
         try:
             wait_for_step(self.proc, self.out_dir, self.step)
             signalled = time.time()
-            self.proc.send_signal(self.signum)
+            if self.group:
+                os.killpg(self.proc.pid, self.signum)
+            else:
+                self.proc.send_signal(self.signum)
             out, _ = self.proc.communicate(timeout=120)
             self.result = out, self.proc.returncode, time.time() - signalled
         except BaseException as error:  # noqa: BLE001 - pytest.fail's, or a timeout: raised in the test
@@ -111,14 +118,15 @@ class Stopper(threading.Thread):
 class Victims:
     """Started at module start (their tests come last): INT, a single-process run holding its folder until its test
     sends SIGINT; TERM, a single-process run with 2 accumulation steps per optimizer step, and DDP, a 2-rank CPU DDP
-    run, sent SIGTERM (DDP: its launcher) at steps 2 and 1 by `Stopper` threads (all three THROTTLED_TRAIN);
-    DDP_REFUSED: a 2-rank launch of train.py into a folder whose lock this test process holds, as a live run does
-    (flock on .train.lock, which names it)."""
+    run, sent SIGTERM (DDP: its launcher) at steps 2 and 1 by `Stopper` threads; LAUNCHED, a one-process
+    `accelerate launch` in a session of its own, sent SIGINT to its process group at step 1 (all four
+    THROTTLED_TRAIN); DDP_REFUSED: a 2-rank launch of train.py into a folder whose lock this test process holds, as a
+    live run does (flock on .train.lock, which names it)."""
 
     def __init__(self, text, root: Path):
         self.text, self.root = text, root
-        self.term_dir, self.int_dir, self.ddp_dir, self.locked_dir = (root / name
-                                                                      for name in ("term", "int", "ddp", "locked"))
+        self.term_dir, self.int_dir, self.ddp_dir, self.locked_dir, self.launched_dir = (
+            root / name for name in ("term", "int", "ddp", "locked", "launched"))
         self.term_args = dict(UNTIL_SIGNALLED, gradient_accumulation_steps=2)
         self.term_step = None  # where SIGTERM stopped TERM
         script = str(root / "throttled_train.py")
@@ -127,6 +135,13 @@ class Victims:
         self.int = popen([sys.executable, script, *tiny_args(text, self.int_dir, **UNTIL_SIGNALLED)])
         ddp_env = {**ENV, "ACCELERATE_USE_CPU": "1"}
         self.ddp = popen(ddp_launch() + [script, *tiny_args(text, self.ddp_dir, **UNTIL_SIGNALLED)], env=ddp_env)
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script,
+                  *tiny_args(text, self.launched_dir, **UNTIL_SIGNALLED)]
+        self.launched = subprocess.Popen(  # as from a terminal: a process group of its own, SIGINT not ignored
+            [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, sys.argv[1:])", *launch], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, process_group=0)
         self.locked_dir.mkdir()
         self.lock = open(self.locked_dir / LOCK_FILE, "w")  # noqa: SIM115 - held until stop()
         fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,10 +151,11 @@ class Victims:
                                  env=ddp_env)
         self.term_stopper = Stopper(self.term, self.term_dir, 2, signal.SIGTERM)
         self.ddp_stopper = Stopper(self.ddp, self.ddp_dir, 1, signal.SIGTERM)
+        self.launched_stopper = Stopper(self.launched, self.launched_dir, 1, signal.SIGINT, group=True)
 
     def stop(self):
         self.lock.close()
-        for proc in (self.term, self.int, self.ddp, self.ddp_refused):
+        for proc in (self.term, self.int, self.ddp, self.ddp_refused, self.launched):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -362,10 +378,12 @@ def test_signals_outside_the_steps_stop_at_once_and_handlers_are_restored():
 @pytest.mark.parametrize("first, second, at_once", [(signal.SIGTERM, signal.SIGTERM, False),
                                                    (signal.SIGINT, signal.SIGINT, True),
                                                    (signal.SIGTERM, signal.SIGINT, True),
-                                                   (signal.SIGINT, signal.SIGTERM, True)])
-def test_a_second_signal_stops_at_once_but_a_repeated_sigterm(monkeypatch, first, second, at_once):
-    """Ctrl-C twice, or another signal: the default action (the process ends, no traceback). A repeated SIGTERM is
-    one request from several senders (Slurm signals every process of a step, and torchrun forwards its own)."""
+                                                   (signal.SIGINT, signal.SIGTERM, False)])
+def test_a_second_sigint_stops_at_once_a_second_sigterm_is_the_same_request(monkeypatch, first, second, at_once):
+    """Ctrl-C while a stop is pending: the default action (the process ends, no traceback). A SIGTERM then is one
+    request from several senders (Slurm signals every process of a step, torchrun forwards its own, and accelerate
+    1.16's one-process launcher answers the Ctrl-C that train.py got too with a SIGTERM: that one had ended the run
+    at once, before its checkpoint)."""
     from bilinear_lm.training import StopOnSignal
 
     raised = []
@@ -430,13 +448,16 @@ def test_sigint_saves_a_checkpoint_without_a_traceback_and_latest_continues(vict
 
 def test_two_rank_ddp_sigterm_to_the_launcher_stops_both_ranks_at_one_step(victims):
     """`accelerate launch --multi_gpu` (torchrun) forwards the SIGTERM it gets to its workers (each in its own
-    session), waits for them up to 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then exits 1 with its own SignalException
-    traceback. Both ranks save one checkpoint at the same step (a rank that stopped alone would leave the other
+    session), waits for them up to 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), then exits 143 (accelerate >= 1.16; before,
+    1 with its own SignalException traceback). Both ranks save one checkpoint at the same step (a rank that stopped alone would leave the other
     waiting in a collective) and the main one prints the line."""
     out, status, seconds = victims.ddp_stopper.outcome()
     assert seconds < 30, out[-3000:]  # before the launcher's SIGKILL
-    assert status == 1, out[-3000:]
-    assert "torch.distributed.elastic.multiprocessing.api.SignalException" in out
+    if ACCELERATE_1_16:  # the launcher exits as the signal would have, without a traceback
+        assert status == 143 and "SignalException" not in out, out[-3000:]
+    else:
+        assert status == 1, out[-3000:]
+        assert "torch.distributed.elastic.multiprocessing.api.SignalException" in out
     match = stopped_line(out, "SIGTERM")
     step, checkpoint = int(match[1]), Path(match[2])
     assert verify_checkpoint(checkpoint) is None
@@ -444,6 +465,20 @@ def test_two_rank_ddp_sigterm_to_the_launcher_stops_both_ranks_at_one_step(victi
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
     assert read_metrics(victims.ddp_dir / "metrics.jsonl")[-1]["step"] == step
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
+
+
+def test_ctrl_c_on_a_one_process_accelerate_launch_saves_a_checkpoint(victims):
+    """A terminal's Ctrl-C signals the process group, train.py and the launcher. accelerate 1.16's launcher answers
+    it by sending train.py SIGTERM (and SIGKILL 5 s later); train.py, already stopping for the SIGINT, took that for
+    a second signal and ended at once, without its checkpoint (the README's command lost the run). Now the SIGTERM is
+    the same request: train.py saves at the step's end and the launcher exits 130."""
+    out, status, _ = victims.launched_stopper.outcome()
+    match = stopped_line(out, "SIGINT")
+    step, checkpoint = int(match[1]), Path(match[2])
+    assert checkpoint == victims.launched_dir / "checkpoints" / f"step_{step}" and verify_checkpoint(checkpoint) is None
+    assert read_metrics(victims.launched_dir / "metrics.jsonl")[-1]["step"] == step
+    if ACCELERATE_1_16:
+        assert status == 130, out[-3000:]
 
 
 def test_two_rank_ddp_into_a_locked_folder_is_refused_on_every_rank_without_hanging(victims):

@@ -10,10 +10,11 @@ status 128 + the signal's number (143, 130), as if the signal had ended the proc
             if signum: save a checkpoint; return stop.stopped(accelerator, signum, step, checkpoint)
         stop.undefer()
 
-A second SIGINT (Ctrl-C again), or a second signal of the other kind, ends the process at once (the signal's default
-action). A repeated SIGTERM is the same request and is ignored: Slurm signals every process of a job step and
-torchrun (`accelerate launch --multi_gpu`) forwards the SIGTERM it gets to its workers, so a worker can get two;
-SIGKILL is the way to stop at once.
+A SIGINT while a stop is pending (Ctrl-C again, or after a SIGTERM) ends the process at once (the signal's default
+action). A SIGTERM then is the same request and is ignored: Slurm signals every process of a job step and torchrun
+(`accelerate launch --multi_gpu`) forwards the SIGTERM it gets to its workers, so a worker can get two, and
+`accelerate launch` of one process (accelerate >= 1.16) answers a Ctrl-C, which reaches train.py too, by sending it
+SIGTERM. SIGKILL is the way to stop at once.
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ class StopOnSignal:
         return False
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum:  # a second signal: at once, unless it repeats a SIGTERM
-            if signum == signal.SIGINT or signum != self.signum:
+        if self.signum:  # a second signal: a SIGINT at once, a SIGTERM is the same request
+            if signum == signal.SIGINT:
                 signal.signal(signum, signal.SIG_DFL)
                 signal.raise_signal(signum)
             return
