@@ -17,5 +17,3 @@ class GatedDeltaNetConfig(Qwen3_5TextConfig):
 
 
 DT_BIAS_INITS = ("paper", "qwen3_5")
-
-

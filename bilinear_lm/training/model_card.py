@@ -68,8 +68,8 @@ def _usage(model_type: str) -> str:
     generate = ('\nids = tokenizer("To be", return_tensors="pt").input_ids\n'
                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=True, top_k=50)[0]))\n")
     if model_type == "gated_deltanet":  # Qwen3.5's, behind the adapter saved in the folder
-        return ("The adapter around transformers' Qwen3.5 (`bilinear_lm.baselines.GatedDeltaNetForCausalLM`) is saved "
-                "in this folder and runs as remote code, with or without the package:\n\n"
+        return ("The adapter around transformers' Qwen3.5 (`modeling_gated_deltanet.py`) is saved in this folder and "
+                "runs as remote code, with or without the package:\n\n"
                 "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)\n"
                 "tokenizer = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)   # else it asks y/N on a "

@@ -14,7 +14,7 @@ A SIGINT while a stop is pending (Ctrl-C again, or after a SIGTERM) ends the pro
 action). A SIGTERM then is the same request and is ignored: Slurm signals every process of a job step and torchrun
 (`accelerate launch --multi_gpu`) forwards the SIGTERM it gets to its workers, so a worker can get two, and
 `accelerate launch` of one process (accelerate >= 1.16) answers a Ctrl-C, which reaches train.py too, by sending it
-SIGTERM. SIGKILL is the way to stop at once.
+SIGTERM (and SIGKILL 5 s later). After a SIGTERM, SIGKILL is the way to stop at once.
 """
 from __future__ import annotations
 
