@@ -12,7 +12,8 @@ differ only in optimizer settings or seed share one: they train at the same spee
 every budget and seed, a fresh run trains ``budget / step time`` steps with a cosine schedule ending there and
 is scored on the whole validation split. The step counts come from the calibration alone, so only the
 calibrations need an otherwise idle machine: the training runs give the same losses however loaded the machine
-is (``--jobs 2`` runs two at a time, one thread each). Finished runs in ``--workdir`` are reused, and a run cut there
+is (``--jobs 2`` runs two at a time, one thread each; ``--jobs 1 --threads 1`` leaves the other core to other
+work). Finished runs in ``--workdir`` are reused, and a run cut there
 (stopped, killed, the machine gone) continues from the last of its ten saves.
 ``--record FILE`` keeps what a long comparison has measured where a checkout keeps it (commit it with the results):
 every calibration and finished run is appended to FILE (JSON lines, with the CPU and date) as it ends, and one found
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration-steps", type=int, default=60, help="steps of the step-time calibration run")
     parser.add_argument("--log-interval", type=int, default=10, help="train.py log interval (>= 2 logs in calibration)")
     parser.add_argument("--jobs", type=int, default=1, help="training runs at a time (one thread each when > 1)")
+    parser.add_argument("--threads", type=int, help="threads of each training run and calibration (default: 1 when "
+                        "--jobs > 1, else torch's default); a calibration is kept per thread count")
     parser.add_argument("--output", type=Path, help="also write the table to this markdown file (replaced)")
     parser.add_argument("--plot", type=Path, help="loss-vs-time plot of the largest budget (PNG)")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (finished runs are reused); default: temporary")
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")] if args.steps is None else [args.steps]
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = [parse_run(spec) for spec in (args.runs or DEFAULT_RUNS)]
-    threads = 1 if args.jobs > 1 else None
+    threads = args.threads or (1 if args.jobs > 1 else None)
     record = Record(args.record)
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -158,6 +158,31 @@ def test_equal_time_shares_a_calibration_between_runs_that_differ_only_in_optimi
     assert all("--seed" not in c[2] and "3" not in c[2] for c in calibrations)
     steps = {name.split("-")[0]: n for name, n, _ in calls if not name.startswith("calib-")}
     assert steps == {"a": 120, "b": 120, "c": 240}
+
+
+@pytest.mark.parametrize("flags, threads", [(["--jobs", "2"], 1), (["--jobs", "1", "--threads", "1"], 1),
+                                            (["--jobs", "1"], None)])
+def test_equal_time_threads_each_run_and_calibration_and_keys_the_calibration_by_them(monkeypatch, tmp_path, flags,
+                                                                                      threads):
+    """--threads sets every train.py's thread count (calibration and run); the record keys a calibration by it, so
+    that ``--jobs 1 --threads 1`` reuses the one-thread calibrations of ``--jobs 2`` and the default does not."""
+    calls = []
+
+    def fake_train(preset, out_dir, max_steps, eval_interval, overrides, threads, eval_iters=0, data_dir=None,
+                   checkpoints=0):
+        calls.append(threads)
+        if max_steps == 30:
+            return [{"step": s, "train_seconds": s * 0.5, "tokens_per_sec": 100.0} for s in (10, 20, 30)]
+        return [{"step": max_steps, "val_loss": 1.0}]
+
+    monkeypatch.setattr(equal_time, "train", fake_train)
+    monkeypatch.setattr(equal_time, "parameter_count", lambda checkpoint: 1000)
+    record = tmp_path / "record.jsonl"
+    equal_time.main(["--preset", "tiny", "--budgets", "60", "--seeds", "0", "--calibration-steps", "30",
+                     "--workdir", str(tmp_path), "--record", str(record), "--run", "a=", *flags])
+    assert calls == [threads, threads]
+    keys = [json.loads(line)["key"] for line in record.read_text().splitlines()]
+    assert keys[0] == f"tiny 30 threads={threads} --log_interval 10"
     assert equal_time.timing_overrides(["--model.rank", "8", "--beta2", "0.95", "--seed=1", "--lr_x", "1",
                                         "--model.input_factor_init_std", "0.005", "--model.input_factor_multiplier=0.3"]
                                        ) == ["--model.rank", "8", "--lr_x", "1"]
