@@ -1,7 +1,7 @@
 """lm-eval-harness integration: local offline tasks (wikitext2_local, lambada_openai_local), the
 in-memory entry point bilinear_lm.evaluation.harness.run_lm_eval, agreement with
-bilinear_lm.evaluation.perplexity and an
-independent LAMBADA computation, and one run of the stock `lm_eval` CLI on a saved checkpoint."""
+bilinear_lm.evaluation.perplexity and an independent LAMBADA computation (for the bilinear models, Llama and the
+peers of issue 47), and one run of the stock `lm_eval` CLI on a saved checkpoint."""
 import json
 import math
 import os
@@ -16,10 +16,11 @@ import torch
 from bilinear_lm.evaluation import perplexity as ppl
 from bilinear_lm.evaluation.harness import TASKS_DIR, run_lm_eval
 from bilinear_lm.evaluation.lm_eval_tasks import bilinear_local_utils as local
-from fixtures import build_tiny_model, cached_tokenizer, save_tiny_checkpoint
+from fixtures import TINY_CONFIGS, build_tiny_model, cached_tokenizer, save_tiny_checkpoint
 
-MODEL_TYPES = ["llama", "bilinear", "hybrid"]
+MODEL_TYPES = ["llama", "bilinear", "hybrid", "gated_deltanet", "mamba2"]
 HYBRID = dict(layer_types=["bilinear", "sliding_attention"], sliding_window=16)  # a window: streaming stays exact
+PEERS = {"gated_deltanet": dict(allow_neg_eigval=True), "mamba2": {}}  # sized like the tiny bilinear model
 N_WIKI, N_LAMBADA = 3, 6
 
 
@@ -76,8 +77,15 @@ _MODELS = {}
 
 def get_model(model_type, vocab_size):
     if model_type not in _MODELS:
-        _MODELS[model_type] = build_tiny_model("bilinear", vocab_size, seed=3, **HYBRID) if model_type == "hybrid" \
-            else build_tiny_model(model_type, vocab_size, seed=3)
+        if model_type in PEERS:
+            from bilinear_lm.baselines import build_model
+
+            torch.manual_seed(3)
+            _MODELS[model_type] = build_model(model_type, {**TINY_CONFIGS["bilinear"], **PEERS[model_type]},
+                                              vocab_size).eval()
+        else:
+            _MODELS[model_type] = build_tiny_model("bilinear", vocab_size, seed=3, **HYBRID) \
+                if model_type == "hybrid" else build_tiny_model(model_type, vocab_size, seed=3)
     return _MODELS[model_type]
 
 
@@ -187,7 +195,8 @@ def test_lm_eval_agrees_with_perplexity_module(model_type, tokenizer, small_data
     """lm-eval's rolling loglikelihood (right-padded batches of windows from documents of different
     lengths) equals bilinear_lm.evaluation.perplexity on the same tokens: llama with 48-token windows ==
     rolling_perplexity(max_length=48); bilinear (and a hybrid with a sliding-window attention layer) with one window
-    per document == streaming with the recurrent state carried across 37-token segments."""
+    per document == streaming with the recurrent state carried across 37-token segments; the peers (Gated
+    DeltaNet[-1,1] and Mamba2 through the factory, transformers' code) with one window == one forward per document."""
     monkeypatch.setenv(local.DATA_ENV, str(small_data_dir))
     model = get_model(model_type, len(tokenizer))
     window = 48 if model_type == "llama" else 100_000
@@ -203,6 +212,8 @@ def test_lm_eval_agrees_with_perplexity_module(model_type, tokenizer, small_data
         if model_type == "llama":
             assert ids.numel() > 2 * window  # several windows per document
             nll += ppl.rolling_perplexity(model, ids, window)[0]
+        elif model_type in PEERS:
+            nll += ppl.strided_perplexity(model, ids, ids.numel(), stride=ids.numel() - 1)[0]
         else:
             nll += ppl.streaming_perplexity(model, ids, segment_len=37)[0]
         stats = ppl.text_stats(page)
