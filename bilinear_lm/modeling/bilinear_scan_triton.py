@@ -159,8 +159,10 @@ if triton is not None:
                                                                                    input_precision=PRECISION)
             tl.store(DP_ptr + tile, dp_in, mask=tile_ok)
             s = tl.load(S_ptr + seqs * T + t, mask=row_ok, other=0.0).to(dtype)[:, None]
-            p = (tl.load(P_ptr + tile - R, mask=tile_ok & (t > 0), other=0.0)  # step t's input: step t - 1's output,
-                 + tl.load(p0_ptr + out, mask=tile_ok & (t == 0), other=0.0)).to(dtype)  # p0 at the first step
+            if t > 0:  # step t's input: step t - 1's output, p0 at the first step
+                p = tl.load(P_ptr + tile - R, mask=tile_ok, other=0.0).to(dtype)
+            else:
+                p = tl.load(p0_ptr + out, mask=tile_ok, other=0.0).to(dtype)
             if HAS_RESTART:
                 restart = tl.load(restart_ptr + t * B + rows, mask=row_ok, other=0) != 0
                 p = tl.where(restart[:, None], tl.load(p_start_ptr + n * R + cols[None, :] + 0 * rows[:, None],
