@@ -55,6 +55,13 @@ def _free_port():
 # train.py with hooks (run from the repo) that write every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl, and
 # the number of DDP models alive when the process group is destroyed to $BATCH_LOG/teardown{i}.json (see
 # bilinear_lm.training.end_training: a DDP model freed after that can deadlock the exit).
+KILL_AT_MARKER = """
+import os, signal, sys, time
+marker, pid = sys.argv[1:]
+while not os.path.exists(marker):
+    time.sleep(0.005)
+os.kill(int(pid), signal.SIGKILL)  # B is not reaped until the test waits for it: the pid is still B's
+"""
 RECORD_BATCHES = """
 import gc, json, os, sys
 import torch
@@ -110,7 +117,7 @@ class Runs:
     """Starts every subprocess at once (they are single-threaded; 2 cores) and lets tests wait for them.
 
     A: uninterrupted run. B: the identical run, SIGKILLed right after its first checkpoint (a watcher
-    thread), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps, recording
+    process), then resumed with --resume_from_checkpoint latest. DDP: 2-rank CPU DDP for a few steps, recording
     each rank's batches. DDP_FAIL: 2-rank CPU DDP whose main process fails while building the tokenizer (it fails
     within seconds). README: the README's command on a missing --train_file (`readme_launch`).
     """
@@ -152,10 +159,15 @@ class Runs:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def _kill_and_resume(self):
+        """B is killed by a process of its own the moment its first checkpoint is complete: a thread of this one
+        could wait for the GIL while the tests run here, and B finished unkilled on a loaded machine."""
         marker = self.b_dir / "checkpoints" / f"step_{SAVE_EVERY}" / "CHECKPOINT_COMPLETE"
+        killer = subprocess.Popen([sys.executable, "-c", KILL_AT_MARKER, str(marker), str(self.b.pid)])
         deadline = time.time() + 300
-        while not marker.exists() and self.b.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
+        while killer.poll() is None and self.b.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        killer.kill()
+        killer.wait()
         self.b.send_signal(signal.SIGKILL)
         self.b.wait()
         metrics = self.b_dir / "metrics.jsonl"
