@@ -35,9 +35,10 @@ Models (every model maps token ids to logits; the first ``num_classes`` logits a
 
 Metrics per test length L: ``final_acc`` (position L), ``beyond_train_acc`` (mean accuracy over
 positions > max training length), and their chance-normalized versions
-``(acc - chance) / (1 - chance)`` with chance = 1 / num_classes; ``per_position_acc`` (the
-accuracy at position t of a length-L sequence equals final-position accuracy at length t, since the
-models are causal and prefixes of samples are samples) is what the accuracy-vs-length plot shows.
+``(acc - chance) / (1 - chance)`` with chance = 1 / num_classes; at the longest test length,
+``per_position_acc`` (the accuracy at position t of a length-L sequence equals final-position accuracy
+at length t, since the models are causal and prefixes of samples are samples) is what the
+accuracy-vs-length plot shows.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ out). Optionally (``state_consistency`` > 0, bilinear models) a center loss on t
 heads' read-outs, read with ``output_mixer_states=True``, see :func:`state_consistency_loss`.
 
 Metrics per test length L: ``final_acc`` (position L), ``beyond_train_acc`` (mean accuracy over positions >
-max training length), their chance-normalized versions ``(acc - chance) / (1 - chance)``, and
-``per_position_acc`` (the accuracy at position t of a length-L sequence equals final-position accuracy at
-length t, since the models are causal and prefixes of samples are samples).
+max training length), their chance-normalized versions ``(acc - chance) / (1 - chance)``, and at the longest
+test length ``per_position_acc`` (the accuracy at position t of a length-L sequence equals final-position accuracy
+at length t, since the models are causal and prefixes of samples are samples).
 """
 from __future__ import annotations
 
@@ -211,8 +211,9 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
             "final_acc": final, "final_acc_norm": normalize(final, chance),
             "beyond_train_acc": beyond, "beyond_train_acc_norm": normalize(beyond, chance),
             "mean_acc": float(acc_pos.nanmean()), "loss": test_loss,
-            "per_position_acc": [round(float(a), 4) for a in acc_pos],
         }
+        if T == max(c.test_lengths):  # the plot's curve; at every length it made a field sweep's file 400 KB a run
+            test[str(T)]["per_position_acc"] = [round(float(a), 4) for a in acc_pos]
     result = {
         "task": task.name, "task_params": task.params, "m": task.params.get("m"), "model": model_name, "seed": seed,
         "vocab_size": task.vocab_size, "num_classes": C, "chance": chance,
