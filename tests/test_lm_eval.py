@@ -83,9 +83,10 @@ def get_model(model_type, vocab_size):
             torch.manual_seed(3)
             _MODELS[model_type] = build_model(model_type, {**TINY_CONFIGS["bilinear"], **PEERS[model_type]},
                                               vocab_size).eval()
+        elif model_type == "hybrid":
+            _MODELS[model_type] = build_tiny_model("bilinear", vocab_size, seed=3, **HYBRID)
         else:
-            _MODELS[model_type] = build_tiny_model("bilinear", vocab_size, seed=3, **HYBRID) \
-                if model_type == "hybrid" else build_tiny_model(model_type, vocab_size, seed=3)
+            _MODELS[model_type] = build_tiny_model(model_type, vocab_size, seed=3)
     return _MODELS[model_type]
 
 

@@ -52,9 +52,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-# train.py with hooks (run from the repo) that write every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl, and
-# the number of DDP models alive when the process group is destroyed to $BATCH_LOG/teardown{i}.json (see
-# bilinear_lm.training.end_training: a DDP model freed after that can deadlock the exit).
+# run B's killer (Runs._kill_and_resume): SIGKILL to PID once MARKER exists
 KILL_AT_MARKER = """
 import os, signal, sys, time
 marker, pid = sys.argv[1:]
@@ -62,6 +60,11 @@ while not os.path.exists(marker):
     time.sleep(0.005)
 os.kill(int(pid), signal.SIGKILL)  # B is not reaped until the test waits for it: the pid is still B's
 """
+
+
+# train.py with hooks (run from the repo) that write every rank's micro-batches to $BATCH_LOG/rank{i}.jsonl, and
+# the number of DDP models alive when the process group is destroyed to $BATCH_LOG/teardown{i}.json (see
+# bilinear_lm.training.end_training: a DDP model freed after that can deadlock the exit).
 RECORD_BATCHES = """
 import gc, json, os, sys
 import torch

@@ -201,7 +201,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
     train_seconds = time.time() - t0
     model.load_state_dict(best_state)
 
-    test = {}
+    test, longest = {}, max(c.test_lengths)
     for T in c.test_lengths:
         x, y = task.sample(c.test_size, T, torch.Generator().manual_seed(TEST_SEED + T))
         acc_pos, test_loss = evaluate(model, x, y, C, c.eval_tokens)
@@ -212,7 +212,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
             "beyond_train_acc": beyond, "beyond_train_acc_norm": normalize(beyond, chance),
             "mean_acc": float(acc_pos.nanmean()), "loss": test_loss,
         }
-        if T == max(c.test_lengths):  # the plot's curve; at every length it made a field sweep's file 400 KB a run
+        if T == longest:  # the plot's curve; at every length it made a field sweep's file 400 KB a run
             test[str(T)]["per_position_acc"] = [round(float(a), 4) for a in acc_pos]
     result = {
         "task": task.name, "task_params": task.params, "m": task.params.get("m"), "model": model_name, "seed": seed,
@@ -228,7 +228,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         # the test lengths, each counted equally, chance-normalized
         "pooled_final_acc_norm": normalize(sum(t["final_acc"] for t in test.values()) / len(test), chance),
     }
-    Tmax = str(max(c.test_lengths))
+    Tmax = str(longest)
     log(f"{task_label(result)} {model_name} seed {seed}: final acc @{Tmax} "
         f"{test[Tmax]['final_acc']:.3f} (norm {test[Tmax]['final_acc_norm']:.3f}), beyond-train acc "
         f"{test[Tmax]['beyond_train_acc']:.3f}; {step} steps, {train_seconds:.1f}s, stop: {stop_reason}, "
