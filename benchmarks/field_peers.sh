@@ -8,8 +8,9 @@
 #
 #   bash benchmarks/field_peers.sh [more eval/state_tracking.py flags]
 #
-# Resumable by run, also on another machine: the finished runs are in docs/peers/{field,groups}-steps1000/results.json
-# (commit them; their table.md and plots are rewritten at each call's end). A run cut in the middle starts again.
+# Resumable, also on another machine: the finished runs are in docs/peers/{field,groups}-steps1000/results.json
+# (commit them; their table.md and plots are rewritten at each call's end), and a run cut in the middle goes on from
+# its last validation where the checkout keeps docs/peers/*/checkpoints/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 models=stack-4,hybrid-4,gated_deltanet_neg-3,gated_deltanet-3,mamba2-3,transformer-3,lstm

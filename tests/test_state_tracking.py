@@ -276,6 +276,64 @@ def test_sweep_writes_table_plot_and_resumes(tmp_path, capsys):
         st.main(["--report", str(tmp_path / "missing.json"), "--output-dir", str(merged)])
 
 
+def _interrupt_at(text):
+    def log(line):
+        if text in line:
+            raise KeyboardInterrupt
+    return log
+
+
+def _without_timings(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("seconds", "eval_seconds")}
+
+
+@pytest.mark.parametrize("model", ["bilinear-cp", "lstm"])
+def test_an_interrupted_probe_run_resumes_to_the_uninterrupted_result(tmp_path, model):
+    """Cut while logging its second validation, the run restarts from the first one's checkpoint: the weights,
+    Adam's moments, the length and data draws and the best weights so far carry over, so it ends as the
+    uninterrupted run does, to the last digit."""
+    task, config = make_task("parity"), dataclasses.replace(TINY_CONFIG, steps=20, verbose=True)
+    whole = run_probe(task, model, 0, config, log=lambda _: None)
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(KeyboardInterrupt):
+        run_probe(task, model, 0, config, log=_interrupt_at("step     10"), checkpoint=checkpoint)
+    lines = []
+    resumed = run_probe(task, model, 0, config, log=lines.append, checkpoint=checkpoint)
+    assert "resumed" in lines[0] and "at step 5" in lines[0] and len(lines) == 1 + 3 + 1  # steps 10, 15, 20; result
+    assert _without_timings(resumed) == _without_timings(whole)
+    assert len({h["train_loss"] for h in whole["history"]}) == 4  # the losses move: equal ones say something
+
+
+def test_a_probe_checkpoint_of_something_else_is_refused(tmp_path):
+    checkpoint = tmp_path / "run.pt"
+    torch.save({"model": {}, "step": 3}, checkpoint)
+    with pytest.raises(ValueError, match="not a probe run's checkpoint"):
+        run_probe(make_task("parity"), "lstm", 0, dataclasses.replace(TINY_CONFIG, steps=5), checkpoint=checkpoint)
+
+
+def test_a_sweep_continues_a_cut_run_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    argv = ["--sweep", "--tasks", "parity", "--models", "lstm", "--seeds", "0,1", "--steps", "15", "--verbose",
+            "--test-lengths", "24", "--val-length", "12", "--output-dir", str(tmp_path / "cut"), *TINY]
+    st.main([*argv[:-len(TINY) - 2], "--output-dir", str(tmp_path / "whole"), *TINY])
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["runs"]
+    run_probe_ = st.run_probe
+    def cut_seed_1(task, model, seed, config, checkpoint):  # seed 0 finishes, seed 1 is cut after step 5
+        return run_probe_(task, model, seed, config, checkpoint=checkpoint,
+                          log=_interrupt_at("step     10") if seed == 1 else print)
+    monkeypatch.setattr(st, "run_probe", cut_seed_1)
+    with pytest.raises(KeyboardInterrupt):
+        st.main(argv)
+    assert len(json.loads((tmp_path / "cut" / "results.json").read_text())["runs"]) == 1
+    assert len(list((tmp_path / "cut" / "checkpoints").iterdir())) == 1  # the cut run's; seed 0's was deleted
+    monkeypatch.undo()
+    capsys.readouterr()
+    st.main(argv)
+    assert "resuming: 1 runs" in (out := capsys.readouterr().out) and "resumed from" in out and "at step 5" in out
+    cut = json.loads((tmp_path / "cut" / "results.json").read_text())["runs"]
+    assert [_without_timings(r) for r in cut] == [_without_timings(r) for r in whole]
+    assert not list((tmp_path / "cut" / "checkpoints").iterdir())
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--task", "parity", "--model", "gru"], "unknown model 'gru'"),
     (["--task", "parity", "--model", "bilinear-dense"], "unknown bilinear mixer 'dense'"),

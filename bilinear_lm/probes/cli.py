@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import re
 import types
@@ -160,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--models", default="bilinear-full,bilinear-cp,bilinear-diagonal,lstm")
     g.add_argument("--seeds", default="0")
     g.add_argument("--output-dir", default="state_tracking_runs",
-                   help="sweep output: results.json, table.md, accuracy_vs_length.png")
+                   help="sweep output: results.json, table.md, accuracy_vs_length.png; a sweep called again skips "
+                        "the runs in results.json and continues a cut run from its last validation "
+                        "(checkpoints/ holds each unfinished run)")
     g.add_argument("--report", default=None,
                    help="only build table.md + PNG (and a merged results.json) from these comma-separated results "
                         "JSONs, e.g. of sweeps run in parallel")
@@ -221,8 +224,12 @@ def _main(args) -> int:
                                    "config": dataclasses.asdict(config)})
                     if key in done:
                         continue
-                    runs.append(run_probe(task, mdl, seed, config))
+                    name = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+                    checkpoint = out_dir / "checkpoints" / f"{name}.pt"
+                    checkpoint.parent.mkdir(exist_ok=True)
+                    runs.append(run_probe(task, mdl, seed, config, checkpoint=checkpoint))
                     res_path.write_text(json.dumps({"runs": runs}, indent=1))
+                    checkpoint.unlink(missing_ok=True)
         write_report(runs, out_dir)
         print(f"wrote {res_path}, {out_dir / 'table.md'}, {out_dir / 'accuracy_vs_length.png'}")
         print(markdown_table(runs))

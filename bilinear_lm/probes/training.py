@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -124,8 +126,14 @@ def cosine_factor(step: int, steps: int, seconds: float, max_seconds: float | No
     return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = ProbeConfig(), log=print) -> dict:
-    """Train model ``model_name`` on ``task`` and evaluate length generalization -> the result dict of the run."""
+def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = ProbeConfig(), log=print,
+              checkpoint: str | Path | None = None) -> dict:
+    """Train model ``model_name`` on ``task`` and evaluate length generalization -> the result dict of the run.
+
+    ``checkpoint``: a file the run is saved to at every validation (model, optimizer, data generator, the best
+    weights so far, history) that it continues from; started with that file present, the run resumes after that
+    validation and ends as the uninterrupted run would (with ``max_seconds``, the clock goes on from the saved
+    training time)."""
     if not isinstance(task, (Task, FieldTask)):
         raise ValueError(f"run_probe: task must be a bilinear_lm.probes.Task (make_task(...)), got {type(task).__name__}")
     if not isinstance(config, ProbeConfig):
@@ -146,9 +154,22 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
     best_key, best_state, best_step = (-1.0, -math.inf), copy.deepcopy(model.state_dict()), 0
     best_val_acc = best_val_loss = float("nan")
     perfect_since, stop_reason, history = None, "steps", []
-    t0 = time.time()
-    step = 0
-    train_loss = float("nan")
+    step, train_loss, elapsed = 0, float("nan"), 0.0
+    progress = ("model", "optimizer", "generator", "rng", "best_key", "best_state", "best_step", "best_val_acc",
+                "best_val_loss", "perfect_since", "history", "step", "train_loss", "elapsed")
+    if checkpoint is not None and Path(checkpoint).exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        if set(saved) != set(progress):
+            raise ValueError(f"run_probe: {checkpoint} is not a probe run's checkpoint (keys {sorted(saved)}); "
+                             f"delete it or give another path")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        g.set_state(saved["generator"])
+        torch.set_rng_state(saved["rng"])
+        (best_key, best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step, train_loss,
+         elapsed) = (saved[k] for k in progress[4:])
+        log(f"{task.name} {model_name} seed {seed}: resumed from {checkpoint} at step {step}")
+    t0 = time.time() - elapsed
     while step < c.steps:
         step += 1
         L = int(torch.randint(lo, hi + 1, (1,), generator=g))
@@ -198,6 +219,13 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
             if out_of_time:
                 stop_reason = "max_seconds"
                 break
+            if checkpoint is not None and step < c.steps:
+                values = (model.state_dict(), opt.state_dict(), g.get_state(), torch.get_rng_state(), best_key,
+                          best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step,
+                          train_loss, time.time() - t0)
+                tmp = Path(f"{checkpoint}.{os.getpid()}.tmp")
+                torch.save(dict(zip(progress, values)), tmp)
+                tmp.replace(checkpoint)  # atomic: an interruption leaves the last validation's whole file
     train_seconds = time.time() - t0
     model.load_state_dict(best_state)
 
