@@ -155,11 +155,11 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
     best_val_acc = best_val_loss = float("nan")
     perfect_since, stop_reason, history = None, "steps", []
     step, train_loss, elapsed = 0, float("nan"), 0.0
-    progress = ("model", "optimizer", "generator", "rng", "best_key", "best_state", "best_step", "best_val_acc",
-                "best_val_loss", "perfect_since", "history", "step", "train_loss", "elapsed")
+    loop_state = ("best_key", "best_state", "best_step", "best_val_acc", "best_val_loss", "perfect_since", "history",
+                  "step", "train_loss", "elapsed")  # a checkpoint's, beside the model, Adam and the generators
     if checkpoint is not None and Path(checkpoint).exists():
         saved = torch.load(checkpoint, weights_only=False)
-        if set(saved) != set(progress):
+        if set(saved) != {"model", "optimizer", "generator", "rng", *loop_state}:
             raise ValueError(f"run_probe: {checkpoint} is not a probe run's checkpoint (keys {sorted(saved)}); "
                              f"delete it or give another path")
         model.load_state_dict(saved["model"])
@@ -167,7 +167,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
         g.set_state(saved["generator"])
         torch.set_rng_state(saved["rng"])
         (best_key, best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step, train_loss,
-         elapsed) = (saved[k] for k in progress[4:])
+         elapsed) = (saved[k] for k in loop_state)
         log(f"{task.name} {model_name} seed {seed}: resumed from {checkpoint} at step {step}")
     t0 = time.time() - elapsed
     while step < c.steps:
@@ -220,11 +220,11 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
                 stop_reason = "max_seconds"
                 break
             if checkpoint is not None and step < c.steps:
-                values = (model.state_dict(), opt.state_dict(), g.get_state(), torch.get_rng_state(), best_key,
-                          best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step,
+                values = (best_key, best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step,
                           train_loss, time.time() - t0)
                 tmp = Path(f"{checkpoint}.{os.getpid()}.tmp")
-                torch.save(dict(zip(progress, values)), tmp)
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": g.get_state(),
+                            "rng": torch.get_rng_state(), **dict(zip(loop_state, values))}, tmp)
                 tmp.replace(checkpoint)  # atomic: an interruption leaves the last validation's whole file
     train_seconds = time.time() - t0
     model.load_state_dict(best_state)
