@@ -1,11 +1,13 @@
 """Small helpers shared by the library's modules (``keep_freed_memory`` lives with the model, which applies it when it
 trains on CPU)."""
 
+import os
 from contextlib import contextmanager
+from pathlib import Path
 
 from .modeling.cpu_allocator import keep_freed_memory
 
-__all__ = ["cpu_name", "eval_mode", "keep_freed_memory"]
+__all__ = ["cpu_name", "eval_mode", "keep_freed_memory", "save_atomically"]
 
 
 @contextmanager
@@ -17,6 +19,16 @@ def eval_mode(model):
         yield model
     finally:
         model.train(was_training)
+
+
+def save_atomically(obj, path) -> None:
+    """``torch.save(obj)`` to ``path`` through a temporary file beside it, then renamed: an interruption leaves the
+    previous whole file (or none), never a partial one."""
+    import torch
+
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 def cpu_name() -> str:

@@ -71,6 +71,13 @@ def parse_list(s: str, typ=int, flag: str = "") -> list:
     return out
 
 
+def run_checkpoint(out_dir: Path, key: str) -> Path:
+    """The file in ``out_dir/checkpoints/`` (made here) that holds the unfinished sweep run ``key``."""
+    path = Path(out_dir) / "checkpoints" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _int_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     try:
@@ -224,9 +231,7 @@ def _main(args) -> int:
                                    "config": dataclasses.asdict(config)})
                     if key in done:
                         continue
-                    name = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
-                    checkpoint = out_dir / "checkpoints" / f"{name}.pt"
-                    checkpoint.parent.mkdir(exist_ok=True)
+                    checkpoint = run_checkpoint(out_dir, json.dumps(key))
                     runs.append(run_probe(task, mdl, seed, config, checkpoint=checkpoint))
                     res_path.write_text(json.dumps({"runs": runs}, indent=1))
                     checkpoint.unlink(missing_ok=True)

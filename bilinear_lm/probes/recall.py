@@ -24,7 +24,6 @@ decay applies to the weight matrices only (``baselines.optimizer_groups``).
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from ..baselines import LSTMLanguageModel, build_model, gated_deltanet_keys, mamba2_keys, optimizer_groups
 from ..modeling.cache_bilinear import cache_layer_tensors
 from ..modeling.transformers_compat import returned_cache
-from ..utils import cpu_name, eval_mode
+from ..utils import cpu_name, eval_mode, save_atomically
 from .config import option
 
 IGNORE = -100
@@ -312,11 +311,10 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
             stop = "target"
             break
         if checkpoint is not None and epoch < c.epochs:
-            tmp = Path(f"{checkpoint}.{os.getpid()}.tmp")
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": schedule.state_dict(),
-                        "shuffle": shuffle.get_state(), "history": history, "step": step, "seen": seen,
-                        "train_seconds": train_seconds, "train_cpu": train_cpu}, tmp)
-            tmp.replace(checkpoint)  # atomic: an interruption leaves the last epoch's whole file
+            save_atomically({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "schedule": schedule.state_dict(), "shuffle": shuffle.get_state(), "history": history,
+                             "step": step, "seen": seen, "train_seconds": train_seconds, "train_cpu": train_cpu},
+                            checkpoint)
     seconds = time.perf_counter() - t0
     result = {"model": model_name, "seed": seed, "point": c.point,
               **{k: v for k, v in asdict(c).items() if k != "extra"}, "extra": dict(c.extra), "config": asdict(c),

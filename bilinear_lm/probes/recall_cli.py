@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..utils import keep_freed_memory
-from .cli import add_config_flags, config_from_args, flag_error, parse_list
+from .cli import add_config_flags, config_from_args, flag_error, parse_list, run_checkpoint
 from .recall import (POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, parse_point, recall_data, recall_model,
                      run_recall, state_floats, zoology_batch_size)
 from .report import plot_recall_vs_state, recall_table
@@ -97,8 +96,7 @@ def main(argv=None) -> int:
                     key = run_key(model, seed, dataclasses.asdict(config))
                     if key in done:
                         continue
-                    checkpoint = out / "checkpoints" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
-                    checkpoint.parent.mkdir(exist_ok=True)
+                    checkpoint = run_checkpoint(out, key)
                     try:
                         data = data if data is not None else recall_data(config, seed)
                         run = run_recall(model, config, seed, data=data, device=args.device, checkpoint=checkpoint,

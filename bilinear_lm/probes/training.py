@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..utils import eval_mode
+from ..utils import eval_mode, save_atomically
 from .config import ProbeConfig
 from .field_tasks import IGNORE, FieldTask
 from .models import build_probe_model, class_logits, model_spec
@@ -222,10 +221,9 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
             if checkpoint is not None and step < c.steps:
                 values = (best_key, best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step,
                           train_loss, time.time() - t0)
-                tmp = Path(f"{checkpoint}.{os.getpid()}.tmp")
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": g.get_state(),
-                            "rng": torch.get_rng_state(), **dict(zip(loop_state, values))}, tmp)
-                tmp.replace(checkpoint)  # atomic: an interruption leaves the last validation's whole file
+                save_atomically({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "generator": g.get_state(), "rng": torch.get_rng_state(),
+                                 **dict(zip(loop_state, values))}, checkpoint)
     train_seconds = time.time() - t0
     model.load_state_dict(best_state)
 
