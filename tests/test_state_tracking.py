@@ -311,6 +311,18 @@ def test_a_probe_checkpoint_of_something_else_is_refused(tmp_path):
         run_probe(make_task("parity"), "lstm", 0, dataclasses.replace(TINY_CONFIG, steps=5), checkpoint=checkpoint)
 
 
+def test_another_probe_runs_checkpoint_is_refused_naming_what_differs(tmp_path):
+    task, config, checkpoint = make_task("parity"), dataclasses.replace(TINY_CONFIG, steps=10), tmp_path / "run.pt"
+    with pytest.raises(KeyboardInterrupt):  # cut after its first validation: the checkpoint of seed 0 at step 5
+        run_probe(task, "lstm", 0, dataclasses.replace(config, verbose=True), log=_interrupt_at("step     10"),
+                  checkpoint=checkpoint)
+    with pytest.raises(ValueError, match=r"another run's checkpoint \(differing: seed\)"):
+        run_probe(task, "lstm", 1, config, checkpoint=checkpoint)
+    with pytest.raises(ValueError, match=r"\(differing: config\)"):
+        run_probe(task, "lstm", 0, dataclasses.replace(config, lr=0.5), checkpoint=checkpoint)
+    assert run_probe(task, "lstm", 0, config, checkpoint=checkpoint)["steps"] == 10  # verbose is not the run's
+
+
 def test_a_sweep_continues_a_cut_run_from_its_checkpoint(tmp_path, monkeypatch, capsys):
     argv = ["--sweep", "--tasks", "parity", "--models", "lstm", "--seeds", "0,1", "--steps", "15", "--verbose",
             "--test-lengths", "24", "--val-length", "12", "--output-dir", str(tmp_path / "cut"), *TINY]

@@ -156,10 +156,16 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
     step, train_loss, elapsed = 0, float("nan"), 0.0
     loop_state = ("best_key", "best_state", "best_step", "best_val_acc", "best_val_loss", "perfect_since", "history",
                   "step", "train_loss", "elapsed")  # a checkpoint's, beside the model, Adam and the generators
+    run = {"task": task.name, "task_params": task.params, "model": model_name, "seed": seed,
+           "config": {k: v for k, v in asdict(c).items() if k != "verbose"}}  # what the checkpoint belongs to
     if checkpoint is not None and Path(checkpoint).exists():
         saved = torch.load(checkpoint, weights_only=False)
-        if set(saved) != {"model", "optimizer", "generator", "rng", *loop_state}:
+        if set(saved) != {"run", "model", "optimizer", "generator", "rng", *loop_state}:
             raise ValueError(f"run_probe: {checkpoint} is not a probe run's checkpoint (keys {sorted(saved)}); "
+                             f"delete it or give another path")
+        if saved["run"] != run:
+            differ = sorted(k for k in run if saved["run"].get(k) != run[k])
+            raise ValueError(f"run_probe: {checkpoint} is another run's checkpoint (differing: {', '.join(differ)}); "
                              f"delete it or give another path")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
@@ -221,7 +227,7 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
             if checkpoint is not None and step < c.steps:
                 values = (best_key, best_state, best_step, best_val_acc, best_val_loss, perfect_since, history, step,
                           train_loss, time.time() - t0)
-                save_atomically({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                save_atomically({"run": run, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                  "generator": g.get_state(), "rng": torch.get_rng_state(),
                                  **dict(zip(loop_state, values))}, checkpoint)
     train_seconds = time.time() - t0
