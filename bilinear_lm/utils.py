@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .modeling.cpu_allocator import keep_freed_memory
 
-__all__ = ["cpu_name", "eval_mode", "keep_freed_memory", "save_atomically"]
+__all__ = ["cpu_name", "eval_mode", "keep_freed_memory", "load_run_checkpoint", "save_atomically"]
 
 
 @contextmanager
@@ -29,6 +29,26 @@ def save_atomically(obj, path) -> None:
     tmp = Path(f"{path}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
     tmp.replace(path)
+
+
+def load_run_checkpoint(path, run: dict, keys, kind: str, **load_kwargs) -> dict | None:
+    """The checkpoint at ``path`` that :func:`save_atomically` wrote for the run ``run`` describes (its ``"run"``
+    entry beside ``keys``), loaded with ``torch.load(**load_kwargs)``; None where there is no file. A file of another
+    kind, or of another run, is refused with a one-line error naming what differs: a run never continues from another
+    run's state. ``kind`` names the caller in the error ("probe run", "recall run")."""
+    import torch
+
+    if path is None or not Path(path).exists():
+        return None
+    saved = torch.load(path, weights_only=False, **load_kwargs)
+    if not isinstance(saved, dict) or set(saved) != {"run", *keys}:
+        found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"{path} is not a {kind}'s checkpoint (keys {found}); delete it or give another path")
+    if saved["run"] != run:
+        differ = sorted(k for k in {*run, *saved["run"]} if saved["run"].get(k) != run.get(k))
+        raise ValueError(f"{path} is another {kind}'s checkpoint (differing: {', '.join(differ)}); delete it or "
+                         f"give another path")
+    return saved
 
 
 def cpu_name() -> str:

@@ -219,6 +219,39 @@ def test_a_crop_is_refused_with_one_line_where_it_cannot_go_back_and_changes_not
             assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("cache_kind", list(CACHES))
+def test_a_count_of_states_to_keep_extends_the_rollback(cache_kind):
+    """transformers 5.25 passes ``activate_past_recording(recurrent_states_to_keep=n)``, the positions its caller may
+    crop: a cache built to go back 2 then goes back 5, and continues as one full forward of what was kept (its
+    ``get_recurrent_states_to_keep`` says so, and 0 before recording); a count that is not one is refused in one line.
+    Called as transformers 5.23 and 5.24 call it (no count), the rollback stays ``max_rollback``."""
+    model = build("hybrid")
+    ids = torch.randint(4, TINY_CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
+    make = {"dynamic": lambda: BilinearCache(model.config, max_rollback=2),
+            "static": lambda: BilinearStaticCache(model.config, max_cache_len=24, max_rollback=2)}[cache_kind]
+    with torch.no_grad():
+        cache = make()
+        model(ids[:, :6], cache=cache)
+        assert cache.get_recurrent_states_to_keep() == 0
+        cache.activate_past_recording(recurrent_states_to_keep=5)
+        assert cache.get_recurrent_states_to_keep() == cache.get_recurrent_states_to_keep(1) == 5
+        model(ids[:, 6:12], cache=cache)
+        cache.crop(-5)
+        logits = model(ids[:, 12:], cache=cache).logits
+        full = model(torch.cat([ids[:, :7], ids[:, 12:]], 1)).logits[:, -4:]
+        torch.testing.assert_close(logits, full, rtol=1e-10, atol=1e-10)
+        plain = make()
+        model(ids[:, :6], cache=plain)
+        plain.activate_past_recording()
+        model(ids[:, 6:12], cache=plain)
+        with pytest.raises(ValueError, match="max_rollback=2"):
+            plain.crop(-5)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"recurrent_states_to_keep=.*an int >= 0") as error:
+            make().activate_past_recording(recurrent_states_to_keep=bad)
+        assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_recurrence_impl_gives_the_reference_loops_gradients(layout):
     """The scans and the chunked delta rule give the reference loops' loss and every parameter's gradient, with a

@@ -316,7 +316,7 @@ def test_another_probe_runs_checkpoint_is_refused_naming_what_differs(tmp_path):
     with pytest.raises(KeyboardInterrupt):  # cut after its first validation: the checkpoint of seed 0 at step 5
         run_probe(task, "lstm", 0, dataclasses.replace(config, verbose=True), log=_interrupt_at("step     10"),
                   checkpoint=checkpoint)
-    with pytest.raises(ValueError, match=r"another run's checkpoint \(differing: seed\)"):
+    with pytest.raises(ValueError, match=r"another probe run's checkpoint \(differing: seed\)"):
         run_probe(task, "lstm", 1, config, checkpoint=checkpoint)
     with pytest.raises(ValueError, match=r"\(differing: config\)"):
         run_probe(task, "lstm", 0, dataclasses.replace(config, lr=0.5), checkpoint=checkpoint)

@@ -5,7 +5,7 @@ built from ``config.layer_types``, with what belongs to the whole model (:class:
 the rollback that assisted decoding needs (:meth:`BilinearCacheMixin.crop`).
 
 transformers registers a cache layer class under a layer type through ``CacheLayerMixin._layer_type``, for attention
-layers only: a linear-attention layer (``LinearAttentionCacheLayerMixin``) has no such hook in 5.23 or 5.24, so this
+layers only: a linear-attention layer (``LinearAttentionCacheLayerMixin``) has no such hook in 5.23 to 5.25, so this
 module adds ``"bilinear"`` to its two mappings itself (``register_layer_type``; tests/test_hybrid.py checks that
 ``DynamicCache(config)`` and ``StaticCache(config)`` still build these layers from them).
 
@@ -216,11 +216,25 @@ class BilinearCacheMixin:
     # layer, i) any layer's convolution window i, ("model", name) follows_eos or document_start; in the static cache,
     # ("keys", layer) and ("values", layer) a sliding attention layer's window.
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         """Keep the states of the last ``max_rollback + 1`` positions from now on, so that :meth:`crop` can go back
-        (transformers calls this before assisted decoding; the attention layers keep their keys until a crop)."""
+        (transformers calls this before assisted decoding; the attention layers keep their keys until a crop).
+        ``recurrent_states_to_keep`` (transformers 5.25 passes how many positions its caller may crop) raises
+        ``max_rollback`` to it where it is larger. The layers are not asked to keep states of their own (5.25's
+        ``LinearAttentionLayer`` can): this cache's records serve every layer."""
+        if recurrent_states_to_keep is not None:
+            if isinstance(recurrent_states_to_keep, bool) or not isinstance(recurrent_states_to_keep, int) \
+                    or recurrent_states_to_keep < 0:
+                raise ValueError(f"activate_past_recording(recurrent_states_to_keep={recurrent_states_to_keep!r}): "
+                                 "pass how many positions a crop may go back, an int >= 0")
+            self.max_rollback = max(self.max_rollback, recurrent_states_to_keep)
         super().activate_past_recording()
         self.recording = True
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many positions back a crop can go now (transformers 5.25 asks before it records): ``max_rollback``
+        while recording, else 0; the same for every layer."""
+        return self.max_rollback if self.recording else 0
 
     @property
     def is_croppable(self) -> bool:

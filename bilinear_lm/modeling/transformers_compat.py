@@ -1,4 +1,4 @@
-"""The one place where the transformers versions the project supports (5.23 and 5.24, pyproject.toml) need different
+"""The one place where the transformers versions the project supports (5.23 to 5.25, pyproject.toml) need different
 code: 5.24 renamed the cache argument ``past_key_values`` to ``cache`` in every model's ``forward``, in ``generate``'s
 model kwargs, in the mask builders and in the output classes' field (``past_key_values`` deprecated there, removal
 announced for 5.40). The model's code says ``cache``; this module maps it to the installed version's name.
@@ -18,7 +18,7 @@ CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ 
 
 def takes_cache(forward):
     """Wrap a ``forward(..., cache=None, ...)`` so that it also takes ``past_key_values``: the name 5.23's
-    ``generate`` passes (renamed silently there), deprecated on 5.24 (transformers' own decorator warns, as its
+    ``generate`` passes (renamed silently there), deprecated from 5.24 (transformers' own decorator warns, as its
     models do)."""
     if CACHE_NAME == "cache":
         return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
@@ -41,7 +41,7 @@ def takes_cache(forward):
 
 
 def cache_argument(model) -> str:
-    """The keyword under which ``model.forward`` (any transformers model) takes its cache here: ``cache`` on 5.24;
+    """The keyword under which ``model.forward`` (any transformers model) takes its cache here: ``cache`` from 5.24;
     on 5.23 ``past_key_values``, or ``cache_params`` for the Mamba models."""
     if CACHE_NAME == "cache":
         return "cache"

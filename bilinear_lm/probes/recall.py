@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..baselines import LSTMLanguageModel, build_model, gated_deltanet_keys, mamba2_keys, optimizer_groups
 from ..modeling.cache_bilinear import cache_layer_tensors
 from ..modeling.transformers_compat import returned_cache
-from ..utils import cpu_name, eval_mode, save_atomically
+from ..utils import cpu_name, eval_mode, load_run_checkpoint, save_atomically
 from .config import option
 
 IGNORE = -100
@@ -263,7 +263,8 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
     result dict: accuracies, the cost (steps, examples seen, seconds, s/step, the CPU) and the per-epoch history.
     ``log`` gets a line every ``log_every`` epochs (0: none) and the result's line. ``checkpoint``: a file the run is
     saved to after every epoch that it continues from (model, optimizer, schedule, data order, history); started with
-    that file present, the run resumes after its epoch and ends as the uninterrupted run would."""
+    that file present, the run resumes after its epoch and ends as the uninterrupted run would; another run's file there
+    (another model, seed or config) is refused, naming what differs."""
     c = config
     data = data if data is not None else recall_data(c, seed)
     train_x, train_y = data["train"]
@@ -275,14 +276,16 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / total, 1))))
     shuffle = torch.Generator().manual_seed(seed)
     history, step, seen, stop, train_seconds, train_cpu = [], 0, 0, "epochs", 0.0, 0.0
-    if checkpoint is not None and Path(checkpoint).exists():
-        saved = torch.load(checkpoint, map_location=device, weights_only=False)
+    run = {"model": model_name, "seed": seed, "config": asdict(c)}  # what the checkpoint belongs to
+    loop_state = ("history", "step", "seen", "train_seconds", "train_cpu")
+    saved = load_run_checkpoint(checkpoint, run, {"model", "optimizer", "schedule", "shuffle", *loop_state},
+                                "recall run", map_location=device)
+    if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
         shuffle.set_state(saved["shuffle"])
-        history, step, seen, train_seconds, train_cpu = (saved[k] for k in ("history", "step", "seen",
-                                                                            "train_seconds", "train_cpu"))
+        history, step, seen, train_seconds, train_cpu = (saved[k] for k in loop_state)
         log(f"{model_name} {c.point} lr {c.lr:.3g}: resumed from {checkpoint} after epoch {len(history)}")
     t0 = time.perf_counter() - (history[-1]["seconds"] if history else 0.0)
     for epoch in range(len(history) + 1, c.epochs + 1):
@@ -311,7 +314,7 @@ def run_recall(model_name: str, config: RecallConfig = RecallConfig(), seed: int
             stop = "target"
             break
         if checkpoint is not None and epoch < c.epochs:
-            save_atomically({"model": model.state_dict(), "optimizer": opt.state_dict(),
+            save_atomically({"run": run, "model": model.state_dict(), "optimizer": opt.state_dict(),
                              "schedule": schedule.state_dict(), "shuffle": shuffle.get_state(), "history": history,
                              "step": step, "seen": seen, "train_seconds": train_seconds, "train_cpu": train_cpu},
                             checkpoint)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..utils import eval_mode, save_atomically
+from ..utils import eval_mode, load_run_checkpoint, save_atomically
 from .config import ProbeConfig
 from .field_tasks import IGNORE, FieldTask
 from .models import build_probe_model, class_logits, model_spec
@@ -158,15 +158,8 @@ def run_probe(task: Task, model_name: str, seed: int, config: ProbeConfig = Prob
                   "step", "train_loss", "elapsed")  # a checkpoint's, beside the model, Adam and the generators
     run = {"task": task.name, "task_params": task.params, "model": model_name, "seed": seed,
            "config": {k: v for k, v in asdict(c).items() if k != "verbose"}}  # what the checkpoint belongs to
-    if checkpoint is not None and Path(checkpoint).exists():
-        saved = torch.load(checkpoint, weights_only=False)
-        if set(saved) != {"run", "model", "optimizer", "generator", "rng", *loop_state}:
-            raise ValueError(f"run_probe: {checkpoint} is not a probe run's checkpoint (keys {sorted(saved)}); "
-                             f"delete it or give another path")
-        if saved["run"] != run:
-            differ = sorted(k for k in run if saved["run"].get(k) != run[k])
-            raise ValueError(f"run_probe: {checkpoint} is another run's checkpoint (differing: {', '.join(differ)}); "
-                             f"delete it or give another path")
+    saved = load_run_checkpoint(checkpoint, run, {"model", "optimizer", "generator", "rng", *loop_state}, "probe run")
+    if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         g.set_state(saved["generator"])
