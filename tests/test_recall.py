@@ -242,6 +242,37 @@ def test_two_sweeps_into_one_folder_keep_each_others_runs(tmp_path, monkeypatch)
         ("other", None), ("lstm", 1e-3), ("other", None), ("lstm", 1e-2)]
 
 
+def test_recall_report_merges_results_files_and_refuses_mixed_work(tmp_path):
+    """``--report`` writes one results.json, table and plot from several sweeps' files; it refuses a run recorded in
+    two files, the output folder's own results.json and a missing file, each with one line naming it."""
+    from bilinear_lm.probes.recall_cli import main
+
+    base = dict(seed=0, extra={}, seq_len=64, num_pairs=4, point="64x4", num_params=1000, train_examples=100,
+                stop="epochs", epochs_run=2, epochs=2, steps=4, examples_seen=200, seconds=1.0, s_per_step=0.25,
+                cpu_s_per_step=0.125, device="cpu X", lr=1e-3, valid_acc=0.5)
+    ours = [dict(base, model="bilinear-memory", test_acc=0.9, state_floats=100.0, config={"lr": 1e-3, "a": 1})]
+    peers = [dict(base, model="mamba2", test_acc=0.7, state_floats=9216.0, config={"lr": 1e-3, "a": 2}),
+             dict(base, model="mamba2", point="128x8", seq_len=128, num_pairs=8, test_acc=0.2, state_floats=9216.0,
+                  config={"lr": 1e-3, "a": 3})]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"
+    a.write_text(json.dumps(ours)), b.write_text(json.dumps(peers))
+    out = tmp_path / "all"
+    assert main(["--report", f"{a},{b}", "--output-dir", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text()) == ours + peers
+    lines = (out / "table.md").read_text().splitlines()
+    assert lines[0] == "| model | params | state floats / layer | 64x4 | 128x8 |"
+    assert lines[2:4] == ["| bilinear-memory | 1k | 100 | 0.900 (lr 0.001) | - |",
+                          "| mamba2 | 1k | 9,216 | 0.700 (lr 0.001) | 0.200 (lr 0.001) |"]
+    assert (out / "recall_vs_state.png").read_bytes()[:4] == b"\x89PNG"
+    b.write_text(json.dumps(peers + ours))
+    for files, message in ((f"{a},{b}", "is in both"), (f"{a},{out / 'results.json'}", "own results.json"),
+                           (f"{a},{tmp_path / 'c.json'}", "no results file")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--report", files, "--output-dir", str(out)])
+    assert json.loads((out / "results.json").read_text()) == ours + peers  # a refused merge writes nothing
+
+
 def test_recall_table_shows_the_best_lr_by_validation_and_every_run():
     base = dict(model="llama", extra={}, seq_len=64, num_pairs=4, point="64x4", num_params=1000, train_examples=100,
                 stop="epochs", epochs_run=2, epochs=2, steps=4, examples_seen=200, seconds=1.0, s_per_step=0.25,

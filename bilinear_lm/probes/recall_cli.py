@@ -8,7 +8,8 @@ protocol and where it differs from Zoology's). Every (point, seed, model, lr) is
 accuracy on fresh examples and the model's state floats per layer, with each run's cost (steps, examples seen, seconds,
 s/step, the CPU); ``recall_vs_state.png`` plots accuracy against state beside Zoology's published points. The results
 file is resumed: a run already there is not run again, and an interrupted run goes on from its last finished epoch
-(``checkpoints/`` in the output folder holds each unfinished run).
+(``checkpoints/`` in the output folder holds each unfinished run). ``--report`` runs nothing: it merges results files
+(e.g. of sweeps run apart) into one results.json, table and plot in ``--output-dir``.
 
     bilinear-recall --points 64x4 --models llama --threads 1 --output-dir runs/recall      # Zoology's 4 lrs
     bilinear-recall --points 64x4,128x8,256x16 --models llama,bilinear-conv --output-dir runs/recall
@@ -16,6 +17,7 @@ file is resumed: a run already there is not run again, and an interrupted run go
     bilinear-recall --points 128x8 --models bilinear-conv --num-layers 4 --output-dir runs/hybrid \\
         --extra '{"layer_types": ["bilinear", "bilinear", "bilinear", "full_attention"], "num_attention_heads": 4,
                   "num_key_value_heads": 4, "use_rope": false}'      # a 3:1 hybrid
+    bilinear-recall --report runs/recall/results.json,runs/hybrid/results.json --output-dir runs/all
 """
 from __future__ import annotations
 
@@ -60,12 +62,55 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the training loss and validation accuracy every N epochs (0: only each run's result)")
     p.add_argument("--output-dir", default="runs/recall",
                    help="results.json (resumed), table.md and recall_vs_state.png")
+    p.add_argument("--report", default=None, metavar="FILES",
+                   help="run nothing: merge these comma-separated results.json files into --output-dir's "
+                        "results.json, table.md and recall_vs_state.png")
     add_config_flags(p, RecallConfig, exclude=("seq_len", "num_pairs", "batch_size", "lr", "extra"))
     return p
 
 
+def write_recall_report(runs: list[dict], out: Path) -> str:
+    """Write ``out``'s table.md and recall_vs_state.png for ``runs``; return the table. Runs recorded before the state
+    column get their model's state floats, built from their config."""
+    for r in runs:
+        if r.get("state_floats") is None and r.get("config"):
+            config = RecallConfig(**r["config"])
+            r["state_floats"] = state_floats(recall_model(r["model"], config), config.seq_len)
+    table = recall_table(runs)
+    (out / "table.md").write_text(table)
+    plot_recall_vs_state(runs, out / "recall_vs_state.png")
+    return table
+
+
+def merge_results(paths: list[str], out: Path) -> list[dict]:
+    """The runs of the results files ``paths``, in order. Refused: a missing file, ``out``'s own results.json (the
+    merge would overwrite a sweep's record) and a run (model, seed, config) in two files."""
+    runs, where = [], {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise SystemExit(f"--report: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
+        if path.resolve() == (out / "results.json").resolve():
+            raise SystemExit(f"--report: {path} is --output-dir's own results.json; give another --output-dir")
+        for r in json.loads(path.read_text()):
+            key = run_key(r["model"], r["seed"], r.get("config"))
+            if r.get("config") is not None and key in where:
+                raise SystemExit(f"--report: the run {r['model']} seed {r['seed']} lr {r['lr']:g} point {r['point']} "
+                                 f"is in both {where[key]} and {path}; keep it in one of them")
+            where[key] = path
+            runs.append(r)
+    return runs
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        out = Path(args.output_dir)
+        runs = merge_results(parse_list(args.report, str, "--report"), out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(runs, indent=1))
+        print(write_recall_report(runs, out))
+        print(f"wrote {out}/results.json, table.md and recall_vs_state.png from {len(runs)} runs")
+        return 0
     models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(models) - set(RECALL_MODELS))
     if unknown:
@@ -110,12 +155,5 @@ def main(argv=None) -> int:
                     tmp.write_text(json.dumps(runs, indent=1))
                     tmp.replace(results_path)  # atomic: an interrupted sweep resumes from here
                     checkpoint.unlink(missing_ok=True)
-    for r in runs:  # runs recorded before the state column: their model's, built from their config
-        if r.get("state_floats") is None and r.get("config"):
-            config = RecallConfig(**r["config"])
-            r["state_floats"] = state_floats(recall_model(r["model"], config), config.seq_len)
-    table = recall_table(runs)
-    (out / "table.md").write_text(table)
-    plot_recall_vs_state(runs, out / "recall_vs_state.png")
-    print(table)
+    print(write_recall_report(runs, out))
     return 0
