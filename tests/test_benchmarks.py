@@ -333,7 +333,8 @@ def test_the_recall_peers_run_in_the_recall_tables_protocol_then_at_zoologys_oth
     for args in (first, rest):
         assert args.output_dir == first.output_dir and args.output_dir.startswith("docs/peers/")
         assert args.points == "64x4,128x8" and set(args.models.split(",")) == {
-            "gated_deltanet-zoology", "gated_deltanet", "gated_deltanet-neg", "mamba2"}
+            "gated_deltanet-zoology", "gated_deltanet", "gated_deltanet-neg", "gated_deltanet-square",
+            "gated_deltanet-square-neg", "mamba2"}
         ours = {f: getattr(args, f) for f in RecallConfig.__dataclass_fields__ if f != "batch_size" and hasattr(args, f)}
         for c in beside:
             assert {f: c[f] for f in ours} == ours

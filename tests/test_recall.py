@@ -336,6 +336,15 @@ def test_every_recall_model_has_untied_output_embeddings():
         assert out.data_ptr() != inp.data_ptr(), name
 
 
+def test_only_the_neg_gated_deltanets_have_negative_eigenvalues():
+    """``-neg`` names, and only they, build Gated DeltaNet with beta in [0, 2] (transition eigenvalues in [-1, 1])."""
+    config = RecallConfig(**TINY)
+    names = [name for name in RECALL_MODELS if name.startswith("gated_deltanet")]
+    assert len(names) == 5
+    for name in names:
+        assert recall_model(name, config).config.allow_neg_eigval == name.endswith("-neg"), name
+
+
 def test_state_floats_count_every_cached_tensor_per_layer():
     """Closed forms: Llama's keys and values (2 x length x width), an LSTM's h and c, and the memory-head model's
     tracking state, convolution windows, memory matrices and homogeneous coordinates; Gated DeltaNet's and Mamba2's
@@ -353,6 +362,9 @@ def test_state_floats_count_every_cached_tensor_per_layer():
     # its convolution of x, B and C
     for name in ("gated_deltanet", "gated_deltanet-neg"):
         assert state_floats(recall_model(name, c), c.seq_len) == N * (D // (2 * N)) * (D // N) + (D // 2 * 2 + D) * 4
+    # keys as wide as the values: the memory heads' N heads of D/N x D/N
+    for name in ("gated_deltanet-square", "gated_deltanet-square-neg"):
+        assert state_floats(recall_model(name, c), c.seq_len) == N * (D // N) ** 2 + (D * 3) * 4
     # Zoology's sizing: 2 heads of keys D/2 and values D (its Gated DeltaNet at width 64: 4,096 state floats)
     assert state_floats(recall_model("gated_deltanet-zoology", c), c.seq_len) == 2 * (D // 2) * D + (2 * D + 2 * D) * 4
     assert state_floats(recall_model("mamba2", c), c.seq_len) == 2 * N * (D // N) * 64 + (2 * D + 2 * 64) * 4

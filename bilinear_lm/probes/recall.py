@@ -39,7 +39,7 @@ from .config import option
 
 IGNORE = -100
 RECALL_MODELS = ("bilinear", "bilinear-conv", "bilinear-memory", "llama", "gated_deltanet", "gated_deltanet-neg",
-                 "gated_deltanet-zoology", "mamba2", "lstm")
+                 "gated_deltanet-square", "gated_deltanet-square-neg", "gated_deltanet-zoology", "mamba2", "lstm")
 POWER_A = 0.01  # Zoology's power law for the query gaps
 ZOOLOGY_LRS = (1e-4, 4.642e-4, 2.154e-3, 1e-2)  # np.logspace(-4, -2, 4), to 4 digits
 POINTS = {"64x4": (64, 4), "128x8": (128, 8), "256x16": (256, 16)}  # Zoology's figure 2: (seq_len, num_pairs)
@@ -146,7 +146,9 @@ def recall_model(name: str, config: RecallConfig):
     hybrid), ``bilinear-memory`` (``bilinear-conv`` with ``num_heads`` memory heads of keys and values
     ``hidden_size / num_heads``), ``llama``, ``gated_deltanet`` (``num_heads`` heads, keys of ``hidden_size / (2
     num_heads)``, values of ``hidden_size / num_heads``, convolution 4; ``gated_deltanet-neg``: its [-1, 1] form;
-    ``gated_deltanet-zoology``: Zoology's sizing, 2 heads of keys ``hidden_size / 2`` and values ``hidden_size``;
+    ``gated_deltanet-square`` and ``-square-neg``: keys as wide as the values, ``hidden_size / num_heads``, the
+    memory heads' shape, within 4% of their state floats; ``gated_deltanet-zoology``: Zoology's sizing, 2 heads of
+    keys ``hidden_size / 2`` and values ``hidden_size``;
     Zoology's model alternates it with a BaseConv layer, which Qwen3.5 lacks: here every layer is Gated DeltaNet),
     ``mamba2`` (``2 num_heads`` heads of ``hidden_size / num_heads``, state 64) or ``lstm``, all ``num_layers`` deep
     and ``hidden_size`` wide, with untied input and output embeddings (tied, a 2-layer attention model of the
@@ -165,13 +167,14 @@ def recall_model(name: str, config: RecallConfig):
                    num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
                    max_position_embeddings=c.seq_len, tie_word_embeddings=False, use_cache=False)
         return build_model("llama", cfg, c.vocab_size, match_bilinear=False)
-    if name in ("gated_deltanet", "gated_deltanet-neg", "gated_deltanet-zoology"):
-        zoology = {} if name != "gated_deltanet-zoology" else dict(  # zoology/experiments/mqar_example_configs
-            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=c.hidden_size // 2,
-            linear_value_head_dim=c.hidden_size)
+    if name in RECALL_MODELS and name.startswith("gated_deltanet"):
+        sizes = {"gated_deltanet-zoology": dict(  # zoology/experiments/mqar_example_configs
+                     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=c.hidden_size // 2,
+                     linear_value_head_dim=c.hidden_size),
+                 "gated_deltanet-square": dict(linear_key_head_dim=c.hidden_size // c.num_heads)}
         cfg = gated_deltanet_keys(c.hidden_size, c.num_heads, ["bilinear"] * c.num_layers, tie=False,
                                   intermediate_size=4 * c.hidden_size, allow_neg_eigval=name.endswith("-neg"),
-                                  **zoology)
+                                  **sizes.get(name.removesuffix("-neg"), {}))
         return build_model("gated_deltanet", cfg, c.vocab_size, match_bilinear=False)
     if name == "mamba2":  # chunks of 64: transformers' 256 would pad a sequence of 64 to 256
         cfg = mamba2_keys(c.hidden_size, c.num_heads, c.num_layers, tie=False, chunk_size=64)
