@@ -271,6 +271,9 @@ def test_recall_report_merges_results_files_and_refuses_mixed_work(tmp_path):
         with pytest.raises(SystemExit, match=message):
             main(["--report", files, "--output-dir", str(out)])
     assert json.loads((out / "results.json").read_text()) == ours + peers  # a refused merge writes nothing
+    (out / "table.md").unlink()  # alone, the folder's own file re-renders its report
+    assert main(["--report", str(out / "results.json"), "--output-dir", str(out)]) == 0
+    assert (out / "table.md").read_text().splitlines()[2:4] == lines[2:4]
 
 
 def test_recall_table_shows_the_best_lr_by_validation_and_every_run():

@@ -272,8 +272,12 @@ def test_sweep_writes_table_plot_and_resumes(tmp_path, capsys):
     st.main(["--report", f"{parity},{rest}", "--output-dir", str(merged)])
     assert (merged / "table.md").read_text() == table
     assert len(json.loads((merged / "results.json").read_text())["runs"]) == 8
-    with pytest.raises(SystemExit, match="no results file at"):
-        st.main(["--report", str(tmp_path / "missing.json"), "--output-dir", str(merged)])
+    for files, message in ((f"{parity},{tmp_path / 'results.json'}", "parity .* is in both"),
+                           (f"{rest},{merged / 'results.json'}", "own results.json"),
+                           (str(tmp_path / "missing.json"), "no results file at")):
+        with pytest.raises(SystemExit, match=message):
+            st.main(["--report", files, "--output-dir", str(merged)])
+    assert len(json.loads((merged / "results.json").read_text())["runs"]) == 8  # a refused merge writes nothing
 
 
 def _interrupt_at(text):

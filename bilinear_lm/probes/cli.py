@@ -71,6 +71,26 @@ def parse_list(s: str, typ=int, flag: str = "") -> list:
     return out
 
 
+def merge_results_files(paths: list[str], out: Path, key, describe, runs_of=lambda data: data) -> list[dict]:
+    """The runs of the results files ``paths`` (``runs_of`` the list in a file's JSON), in order, for a ``--report``
+    into ``out``. Refused, one line each: a missing file, ``out``'s own results.json beside other files (the merge
+    would overwrite a sweep's record; alone it re-renders its own report) and a run (``key``; runs recorded without a
+    config are never duplicates) in two files, named by ``describe``."""
+    runs, where = [], {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise SystemExit(f"--report: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
+        if len(paths) > 1 and path.resolve() == (out / "results.json").resolve():
+            raise SystemExit(f"--report: {path} is --output-dir's own results.json; give another --output-dir")
+        for r in runs_of(json.loads(path.read_text())):
+            if r.get("config") is not None and key(r) in where:
+                raise SystemExit(f"--report: the run {describe(r)} is in both {where[key(r)]} and {path}; keep it in "
+                                 f"one of them")
+            where[key(r)] = path
+            runs.append(r)
+    return runs
+
+
 def run_checkpoint(out_dir: Path, key: str) -> Path:
     """The file in ``out_dir/checkpoints/`` (made here) that holds the unfinished sweep run ``key``."""
     path = Path(out_dir) / "checkpoints" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
@@ -194,12 +214,9 @@ def main(argv=None) -> int:
 
 def _main(args) -> int:
     if args.report:
-        runs = []
-        for path in parse_list(args.report, str, "--report"):
-            if not Path(path).is_file():
-                raise SystemExit(f"--report: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
-            runs += json.loads(Path(path).read_text())["runs"]
         out_dir = Path(args.output_dir)
+        runs = merge_results_files(parse_list(args.report, str, "--report"), out_dir, run_key,
+                                   lambda r: f"{r['task']} {r['model']} seed {r['seed']}", lambda data: data["runs"])
         write_report(runs, out_dir)
         (out_dir / "results.json").write_text(json.dumps({"runs": runs}, indent=1))
         print(f"wrote {out_dir}/results.json, table.md and accuracy_vs_length.png from {len(runs)} runs")

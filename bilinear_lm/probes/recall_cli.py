@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..utils import keep_freed_memory
-from .cli import add_config_flags, config_from_args, flag_error, parse_list, run_checkpoint
+from .cli import add_config_flags, config_from_args, flag_error, merge_results_files, parse_list, run_checkpoint
 from .recall import (POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, parse_point, recall_data, recall_model,
                      run_recall, state_floats, zoology_batch_size)
 from .report import plot_recall_vs_state, recall_table
@@ -82,30 +82,13 @@ def write_recall_report(runs: list[dict], out: Path) -> str:
     return table
 
 
-def merge_results(paths: list[str], out: Path) -> list[dict]:
-    """The runs of the results files ``paths``, in order. Refused: a missing file, ``out``'s own results.json (the
-    merge would overwrite a sweep's record) and a run (model, seed, config) in two files."""
-    runs, where = [], {}
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise SystemExit(f"--report: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
-        if path.resolve() == (out / "results.json").resolve():
-            raise SystemExit(f"--report: {path} is --output-dir's own results.json; give another --output-dir")
-        for r in json.loads(path.read_text()):
-            key = run_key(r["model"], r["seed"], r.get("config"))
-            if r.get("config") is not None and key in where:
-                raise SystemExit(f"--report: the run {r['model']} seed {r['seed']} lr {r['lr']:g} point {r['point']} "
-                                 f"is in both {where[key]} and {path}; keep it in one of them")
-            where[key] = path
-            runs.append(r)
-    return runs
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.report:
         out = Path(args.output_dir)
-        runs = merge_results(parse_list(args.report, str, "--report"), out)
+        runs = merge_results_files(
+            parse_list(args.report, str, "--report"), out, lambda r: run_key(r["model"], r["seed"], r.get("config")),
+            lambda r: f"{r['model']} seed {r['seed']} lr {r['lr']:g} point {r['point']}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(runs, indent=1))
         print(write_recall_report(runs, out))
