@@ -220,13 +220,14 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
         ax.annotate(name, (floats, acc), fontsize=7, color="gray", xytext=(4, -8), textcoords="offset points")
     markers = dict(zip(sorted({r["point"] for r in runs}, key=lambda p: tuple(map(int, p.split("x")))), "osD^v<>"))
     models = list(dict.fromkeys(recall_label(r) for r in runs if r.get("state_floats") is not None))
+    tab20 = plt.get_cmap("tab20")  # its 10 dark colors first, then their light twins: 20 models apart
     for i, model in enumerate(models):
         for point, marker in markers.items():
             best = _best_per_seed([r for r in runs if recall_label(r) == model and r["point"] == point and
                                    r.get("state_floats")])
             if best:
                 ax.scatter([r["state_floats"] for r in best], [r["test_acc"] for r in best], marker=marker,
-                           color=f"C{i}", label=f"{recall_label(best[0], short=True)} {point}")
+                           color=tab20((2 * i) % 20 + (i // 10) % 2), label=f"{recall_label(best[0], short=True)} {point}")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("state floats per layer (attention: its keys and values)")
