@@ -280,6 +280,28 @@ def test_sweep_writes_table_plot_and_resumes(tmp_path, capsys):
     assert len(json.loads((merged / "results.json").read_text())["runs"]) == 8  # a refused merge writes nothing
 
 
+def test_each_model_keeps_its_own_color_in_every_panel(monkeypatch, tmp_path):
+    """Twelve models on two tasks, one missing from the second panel: each model's curve has one color in both panels,
+    and no two models share one (matplotlib's default cycle repeats after 10 and shifts when a model is missing)."""
+    import matplotlib.pyplot as plt
+
+    def run(task, model):
+        return {"task": task, "task_params": {}, "model": model, "chance": 0.5, "train_lengths": [2, 8],
+                "test": {"16": {"per_position_acc": [1.0] * 16}}}
+
+    models = [f"model-{i}" for i in range(12)]
+    runs = [run("cycle_navigation", m) for m in models] + [run("parity", m) for m in models if m != "model-5"]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    report.plot_accuracy_vs_length(runs, tmp_path / "plot.png")
+    colors = [{line.get_label(): line.get_color() for line in ax.get_lines() if line.get_label() in models}
+              for ax in figures[0].axes[:2]]
+    assert len(colors[0]) == 12 and len(colors[1]) == 11
+    assert all(colors[0][m] == c for m, c in colors[1].items())
+    assert len(set(colors[0].values())) == 12
+    assert len({report.model_color(i) for i in range(20)}) == 20
+
+
 def _interrupt_at(text):
     def log(line):
         if text in line:

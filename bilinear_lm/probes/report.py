@@ -87,6 +87,14 @@ def markdown_table(runs: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def model_color(i: int):
+    """The ``i``-th model's color in the plots: tab20's 10 dark colors first, then their light twins, so 20 models
+    each get their own (matplotlib's default cycle repeats after 10)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"]((2 * i) % 20 + (i // 10) % 2)
+
+
 def plot_accuracy_vs_length(runs: list[dict], path) -> None:
     import matplotlib
 
@@ -100,14 +108,14 @@ def plot_accuracy_vs_length(runs: list[dict], path) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, t in zip(axes.flat, tasks):
         chance = None
-        for mdl in models:
+        for i, mdl in enumerate(models):
             rs = cells.get((t, mdl), [])
             if not rs:
                 continue
             curves = [r["test"][_longest(r)]["per_position_acc"] for r in rs]
             T = min(len(c) for c in curves)
             mean = [sum(c[i] for c in curves) / len(curves) for i in range(T)]
-            ax.plot(range(1, T + 1), mean, label=mdl, lw=1.2)
+            ax.plot(range(1, T + 1), mean, label=mdl, lw=1.2, color=model_color(i))
             chance = rs[0]["chance"]
             hi = rs[0]["train_lengths"][1]
         ax.axvline(hi, color="gray", ls="--", lw=0.8)
@@ -220,14 +228,13 @@ def plot_recall_vs_state(runs: list[dict], path) -> None:
         ax.annotate(name, (floats, acc), fontsize=7, color="gray", xytext=(4, -8), textcoords="offset points")
     markers = dict(zip(sorted({r["point"] for r in runs}, key=lambda p: tuple(map(int, p.split("x")))), "osD^v<>"))
     models = list(dict.fromkeys(recall_label(r) for r in runs if r.get("state_floats") is not None))
-    tab20 = plt.get_cmap("tab20")  # its 10 dark colors first, then their light twins: 20 models apart
     for i, model in enumerate(models):
         for point, marker in markers.items():
             best = _best_per_seed([r for r in runs if recall_label(r) == model and r["point"] == point and
                                    r.get("state_floats")])
             if best:
                 ax.scatter([r["state_floats"] for r in best], [r["test_acc"] for r in best], marker=marker,
-                           color=tab20((2 * i) % 20 + (i // 10) % 2), label=f"{recall_label(best[0], short=True)} {point}")
+                           color=model_color(i), label=f"{recall_label(best[0], short=True)} {point}")
     ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("state floats per layer (attention: its keys and values)")
