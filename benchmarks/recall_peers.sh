@@ -9,11 +9,13 @@
 #   bash benchmarks/recall_peers.sh [more eval/recall.py flags]
 #
 # Resumable by epoch, also on another machine: finished runs are in docs/peers/recall-epochs8/results.json (commit
-# it), a cut run goes on from its last epoch where the checkout keeps docs/peers/recall-epochs8/checkpoints/.
+# it), a cut run goes on from its last epoch where the checkout keeps docs/peers/recall-epochs8/checkpoints/. Cells
+# run apart (one model and lr a folder, two at a time: docs/peers/recall-*/results.json) are not run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+apart=$(ls docs/peers/recall-*/results.json | grep -v '/recall-epochs8/' | paste -sd, -)
 for lrs in 0.002154 0.0001,0.0004642,0.01; do
     "${PYTHON:-python}" eval/recall.py --points 64x4,128x8 --lrs $lrs --threads 1 --epochs 8 --log-every 1 \
         --models gated_deltanet-zoology,mamba2,gated_deltanet-neg,gated_deltanet,gated_deltanet-square-neg,gated_deltanet-square \
-        --output-dir docs/peers/recall-epochs8 "$@"
+        --output-dir docs/peers/recall-epochs8 ${apart:+--skip-runs-in "$apart"} "$@"
 done

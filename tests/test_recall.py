@@ -242,6 +242,27 @@ def test_two_sweeps_into_one_folder_keep_each_others_runs(tmp_path, monkeypatch)
         ("other", None), ("lstm", 1e-3), ("other", None), ("lstm", 1e-2)]
 
 
+def test_sweep_skips_the_runs_recorded_in_other_folders(tmp_path, monkeypatch):
+    """``--skip-runs-in``: a cell another folder's results.json holds (same model, seed and config) is not run again;
+    a different lr is; a missing file is refused with one line naming it."""
+    from bilinear_lm.probes import recall_cli
+
+    ran = []
+    monkeypatch.setattr(recall_cli, "run_recall", lambda model, config, seed, **kw: ran.append(config.lr) or {
+        "model": model, "seed": seed, "config": dataclasses.asdict(config)})
+    monkeypatch.setattr(recall_cli, "recall_table", lambda runs: "")
+    monkeypatch.setattr(recall_cli, "plot_recall_vs_state", lambda runs, path: None)
+    args = ["--points", "16x2", "--models", "lstm", "--vocab-size", "32"]
+    assert recall_cli.main([*args, "--lrs", "1e-3", "--output-dir", str(tmp_path / "apart")]) == 0
+    other = tmp_path / "apart" / "results.json"
+    ran.clear()
+    sweep = [*args, "--lrs", "1e-3,1e-2", "--output-dir", str(tmp_path / "sweep")]
+    assert recall_cli.main([*sweep, "--skip-runs-in", str(other)]) == 0
+    assert ran == [1e-2]
+    with pytest.raises(SystemExit, match="--skip-runs-in: no results file at .*missing.json"):
+        recall_cli.main([*sweep, "--skip-runs-in", f"{other},{tmp_path / 'missing.json'}"])
+
+
 def test_recall_report_merges_results_files_and_refuses_mixed_work(tmp_path):
     """``--report`` writes one results.json, table and plot from several sweeps' files; it refuses a run recorded in
     two files, the output folder's own results.json and a missing file, each with one line naming it."""

@@ -7,9 +7,9 @@ protocol and where it differs from Zoology's). Every (point, seed, model, lr) is
 ``--target``. The table keeps, per model, point and seed, the lr with the best validation accuracy and shows its test
 accuracy on fresh examples and the model's state floats per layer, with each run's cost (steps, examples seen, seconds,
 s/step, the CPU); ``recall_vs_state.png`` plots accuracy against state beside Zoology's published points. The results
-file is resumed: a run already there is not run again, and an interrupted run goes on from its last finished epoch
-(``checkpoints/`` in the output folder holds each unfinished run). ``--report`` runs nothing: it merges results files
-(e.g. of sweeps run apart) into one results.json, table and plot in ``--output-dir``.
+file is resumed: a run already there (or in a ``--skip-runs-in`` file) is not run again, and an interrupted run goes on
+from its last finished epoch (``checkpoints/`` in the output folder holds each unfinished run). ``--report`` runs
+nothing: it merges results files (e.g. of sweeps run apart) into one results.json, table and plot in ``--output-dir``.
 
     bilinear-recall --points 64x4 --models llama --threads 1 --output-dir runs/recall      # Zoology's 4 lrs
     bilinear-recall --points 64x4,128x8,256x16 --models llama,bilinear-conv --output-dir runs/recall
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, metavar="FILES",
                    help="run nothing: merge these comma-separated results.json files into --output-dir's "
                         "results.json, table.md and recall_vs_state.png")
+    p.add_argument("--skip-runs-in", default=None, metavar="FILES",
+                   help="comma-separated results.json files of other folders whose runs are not run again (e.g. "
+                        "cells of this sweep run apart into their own --output-dir)")
     add_config_flags(p, RecallConfig, exclude=("seq_len", "num_pairs", "batch_size", "lr", "extra"))
     return p
 
@@ -110,6 +113,10 @@ def main(argv=None) -> int:
     results_path = out / "results.json"
     runs = json.loads(results_path.read_text()) if results_path.exists() else []
     done = {run_key(r["model"], r["seed"], r.get("config")) for r in runs}
+    for path in map(Path, parse_list(args.skip_runs_in, str, "--skip-runs-in") if args.skip_runs_in else []):
+        if not path.is_file():
+            raise SystemExit(f"--skip-runs-in: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
+        done |= {run_key(r["model"], r["seed"], r.get("config")) for r in json.loads(path.read_text())}
     for seq_len, pairs in points:
         batch = args.batch_size or zoology_batch_size(seq_len)
         for seed in seeds:
