@@ -317,7 +317,8 @@ def test_the_formal_language_grid_records_into_the_checkout_with_the_field_proto
 def test_the_recall_peers_run_in_the_recall_tables_protocol_then_at_zoologys_other_lrs(tmp_path):
     """The committed command of issue 47's MQAR cells: two calls into docs/peers/, whose arguments the recall CLI's
     own parser takes: the peers at 64x4 and 128x8 with the protocol of results.md's recall table (docs/recall-runs.json:
-    its lr, at most 8 epochs, width 64, 2 layers, Zoology's data sizes), then the same at Zoology's other three lrs."""
+    its lr, at most 8 epochs, width 64, 2 layers, Zoology's data sizes), then the same at Zoology's other three lrs;
+    each skipping the cells recorded apart in the other docs/peers/recall-*/ folders."""
     import json
 
     from bilinear_lm.probes.recall import ZOOLOGY_LRS, RecallConfig, zoology_batch_size
@@ -339,6 +340,9 @@ def test_the_recall_peers_run_in_the_recall_tables_protocol_then_at_zoologys_oth
         for c in beside:
             assert {f: c[f] for f in ours} == ours
             assert args.batch_size is None and zoology_batch_size(c["seq_len"]) == c["batch_size"]
+    apart = sorted(str(p.relative_to(BENCHMARKS.parent)) for p in (BENCHMARKS.parent / "docs" / "peers").glob(
+        "recall-*/results.json") if p.parent.name != "recall-epochs8")
+    assert apart and all(sorted(args.skip_runs_in.split(",")) == apart for args in (first, rest))
     assert [float(lr) for lr in first.lrs.split(",")] == sorted({c["lr"] for c in beside})
     assert sorted(float(lr) for lr in (first.lrs + "," + rest.lrs).split(",")) == sorted(ZOOLOGY_LRS)
 
