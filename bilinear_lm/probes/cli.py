@@ -71,6 +71,13 @@ def parse_list(s: str, typ=int, flag: str = "") -> list:
     return out
 
 
+def read_results_file(path: Path, flag: str):
+    """The JSON of the results file ``path``, given by ``flag``; a missing file is refused with one line."""
+    if not path.is_file():
+        raise SystemExit(f"{flag}: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
+    return json.loads(path.read_text())
+
+
 def merge_results_files(paths: list[str], out: Path, key, describe, runs_of=lambda data: data) -> list[dict]:
     """The runs of the results files ``paths`` (``runs_of`` the list in a file's JSON), in order, for a ``--report``
     into ``out``. Refused, one line each: a missing file, ``out``'s own results.json beside other files (the merge
@@ -78,11 +85,10 @@ def merge_results_files(paths: list[str], out: Path, key, describe, runs_of=lamb
     config are never duplicates) in two files, named by ``describe``."""
     runs, where = [], {}
     for path in map(Path, paths):
-        if not path.is_file():
-            raise SystemExit(f"--report: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
+        data = read_results_file(path, "--report")
         if len(paths) > 1 and path.resolve() == (out / "results.json").resolve():
             raise SystemExit(f"--report: {path} is --output-dir's own results.json; give another --output-dir")
-        for r in runs_of(json.loads(path.read_text())):
+        for r in runs_of(data):
             if r.get("config") is not None and key(r) in where:
                 raise SystemExit(f"--report: the run {describe(r)} is in both {where[key(r)]} and {path}; keep it in "
                                  f"one of them")

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from ..utils import keep_freed_memory
-from .cli import add_config_flags, config_from_args, flag_error, merge_results_files, parse_list, run_checkpoint
+from .cli import (add_config_flags, config_from_args, flag_error, merge_results_files, parse_list, read_results_file,
+                  run_checkpoint)
 from .recall import (POINTS, RECALL_MODELS, ZOOLOGY_LRS, RecallConfig, parse_point, recall_data, recall_model,
                      run_recall, state_floats, zoology_batch_size)
 from .report import plot_recall_vs_state, recall_table
@@ -40,6 +41,11 @@ def run_key(model: str, seed: int, config: dict | None) -> str:
     """What identifies a run in the results file (a sweep skips the runs already there): model, seed and the whole
     ``RecallConfig`` (``asdict``). Runs recorded without a config match no new run."""
     return json.dumps([model, seed, config], sort_keys=True)
+
+
+def recorded_run_key(run: dict) -> str:
+    """``run_key`` of a run as recorded in a results file."""
+    return run_key(run["model"], run["seed"], run.get("config"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
     if args.report:
         out = Path(args.output_dir)
         runs = merge_results_files(
-            parse_list(args.report, str, "--report"), out, lambda r: run_key(r["model"], r["seed"], r.get("config")),
+            parse_list(args.report, str, "--report"), out, recorded_run_key,
             lambda r: f"{r['model']} seed {r['seed']} lr {r['lr']:g} point {r['point']}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(runs, indent=1))
@@ -112,11 +118,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     runs = json.loads(results_path.read_text()) if results_path.exists() else []
-    done = {run_key(r["model"], r["seed"], r.get("config")) for r in runs}
+    done = {recorded_run_key(r) for r in runs}
     for path in map(Path, parse_list(args.skip_runs_in, str, "--skip-runs-in") if args.skip_runs_in else []):
-        if not path.is_file():
-            raise SystemExit(f"--skip-runs-in: no results file at {path} (a sweep writes OUTPUT_DIR/results.json)")
-        done |= {run_key(r["model"], r["seed"], r.get("config")) for r in json.loads(path.read_text())}
+        done |= {recorded_run_key(r) for r in read_results_file(path, "--skip-runs-in")}
     for seq_len, pairs in points:
         batch = args.batch_size or zoology_batch_size(seq_len)
         for seed in seeds:
