@@ -13,7 +13,11 @@
 # run apart (one model and lr a folder, two at a time: docs/peers/recall-*/results.json) are not run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-apart=$(ls docs/peers/recall-*/results.json | grep -v '/recall-epochs8/' | paste -sd, -)
+apart=()
+for f in docs/peers/recall-*/results.json; do
+    [[ -e $f && $f != */recall-epochs8/* ]] && apart+=("$f")
+done
+apart=$(IFS=,; echo "${apart[*]}")
 for lrs in 0.002154 0.0001,0.0004642,0.01; do
     "${PYTHON:-python}" eval/recall.py --points 64x4,128x8 --lrs $lrs --threads 1 --epochs 8 --log-every 1 \
         --models gated_deltanet-zoology,mamba2,gated_deltanet-neg,gated_deltanet,gated_deltanet-square-neg,gated_deltanet-square \

@@ -347,6 +347,20 @@ def test_the_recall_peers_run_in_the_recall_tables_protocol_then_at_zoologys_oth
     assert sorted(float(lr) for lr in (first.lrs + "," + rest.lrs).split(",")) == sorted(ZOOLOGY_LRS)
 
 
+def test_the_recall_peers_run_all_their_cells_in_a_checkout_with_no_cells_run_apart(tmp_path):
+    """In a checkout whose docs/peers/ holds only the script's own folder, both calls are made and skip nothing."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks").mkdir(parents=True)
+    (checkout / "docs" / "peers" / "recall-epochs8").mkdir(parents=True)
+    (checkout / "docs" / "peers" / "recall-epochs8" / "results.json").write_text("[]")
+    shutil.copy(BENCHMARKS / "recall_peers.sh", checkout / "benchmarks")
+    calls = stand_in_calls(tmp_path, str(checkout / "benchmarks" / "recall_peers.sh"))
+    assert [argv[0] for argv in calls] == ["eval/recall.py"] * 2
+    assert not any("--skip-runs-in" in argv for argv in calls)
+
+
 def test_loss_by_position_counts_from_the_last_eos():
     """Positions by hand (EOS = 0); a model of uniform logits scores ln V at every target, so each bin's loss is
     ln V and its count is the number of targets whose position falls in it."""
