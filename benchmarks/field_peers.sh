@@ -10,7 +10,8 @@
 #
 # Resumable, also on another machine: the finished runs are in docs/peers/{field,groups}-steps1000/results.json
 # (commit them; their table.md and plots are rewritten at each call's end), and a run cut in the middle goes on from
-# its last validation where the checkout keeps docs/peers/*/checkpoints/.
+# its last validation where the checkout keeps docs/peers/*/checkpoints/. Last, the groups again at 10,000 steps
+# (validation every 500): about 30 min of one core a bilinear run, 1-5 h a peer's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 models=stack-4,hybrid-4,gated_deltanet_neg-3,gated_deltanet-3,mamba2-3,transformer-3,lstm
@@ -24,3 +25,5 @@ field 0 "$@"
 probe --tasks permutation_A5,permutation_S5 --permutation-symbols elements --seeds 0 --test-lengths 40,256,1024,5120 \
     --test-size 100 --output-dir docs/peers/groups-steps1000 "$@"
 field 1,2 "$@"
+probe --tasks permutation_A5,permutation_S5 --permutation-symbols elements --seeds 0 --test-lengths 40,256,1024,5120 \
+    --test-size 100 --steps 10000 --eval-every 500 --output-dir docs/peers/groups-steps10000 "$@"

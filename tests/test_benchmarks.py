@@ -300,18 +300,20 @@ def test_the_gutenberg_command_names_its_stage(tmp_path):
 
 
 def test_the_formal_language_grid_records_into_the_checkout_with_the_field_protocol(tmp_path):
-    """The committed command of issue 47's formal-language grid: three calls (seed 0, A5 and S5 to length 5,120, seeds
-    1 and 2) into docs/peers/, whose arguments the probes' own parser takes: the field's lengths and 1,000 steps."""
+    """The committed command of issue 47's formal-language grid: four calls (seed 0, A5 and S5 to length 5,120, seeds
+    1 and 2, then A5 and S5 again at 10,000 steps) into docs/peers/, whose arguments the probes' own parser takes: the
+    field's lengths, 1,000 steps, and the groups' longer run in a folder of its own."""
     calls = stand_in_calls(tmp_path, str(BENCHMARKS / "field_peers.sh"))
-    assert len(calls) == 3 and all(argv[argv.index("--output-dir") + 1].startswith("docs/peers/") for argv in calls)
+    assert len(calls) == 4 and all(argv[argv.index("--output-dir") + 1].startswith("docs/peers/") for argv in calls)
     from bilinear_lm.probes.cli import build_parser
 
-    for argv in calls:
-        assert argv[0] == "eval/state_tracking.py"
-        args = build_parser().parse_args(argv[1:])
-        assert (args.sweep, args.train_lengths, args.steps) == (True, (3, 40), 1000)
-    groups = build_parser().parse_args(calls[1][1:])
-    assert groups.tasks == "permutation_A5,permutation_S5" and max(groups.test_lengths) == 5120
+    parsed = [build_parser().parse_args(argv[1:]) for argv in calls]
+    assert all(argv[0] == "eval/state_tracking.py" for argv in calls)
+    assert all((args.sweep, args.train_lengths) == (True, (3, 40)) for args in parsed)
+    assert [args.steps for args in parsed] == [1000, 1000, 1000, 10000]
+    for groups in (parsed[1], parsed[3]):
+        assert groups.tasks == "permutation_A5,permutation_S5" and max(groups.test_lengths) == 5120
+    assert parsed[1].output_dir != parsed[3].output_dir and parsed[3].eval_every == 500
 
 
 def test_the_recall_peers_run_in_the_recall_tables_protocol_then_at_zoologys_other_lrs(tmp_path):
