@@ -8,10 +8,10 @@
 #
 #   bash benchmarks/field_peers.sh [more eval/state_tracking.py flags]
 #
-# Resumable, also on another machine: the finished runs are in docs/peers/{field,groups}-steps1000/results.json
-# (commit them; their table.md and plots are rewritten at each call's end), and a run cut in the middle goes on from
-# its last validation where the checkout keeps docs/peers/*/checkpoints/. Last, the groups again at 10,000 steps
-# (validation every 500): about 30 min of one core a bilinear run, 1-5 h a peer's.
+# Resumable, also on another machine: the finished runs are in docs/peers/{field,groups}-steps1000/results.json and
+# groups-steps10000/results.json (commit them; their table.md and plots are rewritten at each call's end), and a run
+# cut in the middle goes on from its last validation where the checkout keeps docs/peers/*/checkpoints/. Last, the
+# groups again at 10,000 steps (validation every 500): about 30 min of one core a bilinear run, 1-5 h a peer's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 models=stack-4,hybrid-4,gated_deltanet_neg-3,gated_deltanet-3,mamba2-3,transformer-3,lstm
@@ -22,8 +22,8 @@ field() { probe --tasks field_parity,field_modular_arithmetic,field_modular_arit
 field 0 "$@"
 # the groups A5 and S5 (tokens: the group's elements, the label: the running product), seed 0, tested at 1 to 128
 # times the longest training length
-probe --tasks permutation_A5,permutation_S5 --permutation-symbols elements --seeds 0 --test-lengths 40,256,1024,5120 \
-    --test-size 100 --output-dir docs/peers/groups-steps1000 "$@"
+groups() { probe --tasks permutation_A5,permutation_S5 --permutation-symbols elements --seeds 0 \
+    --test-lengths 40,256,1024,5120 --test-size 100 "$@"; }
+groups --output-dir docs/peers/groups-steps1000 "$@"
 field 1,2 "$@"
-probe --tasks permutation_A5,permutation_S5 --permutation-symbols elements --seeds 0 --test-lengths 40,256,1024,5120 \
-    --test-size 100 --steps 10000 --eval-every 500 --output-dir docs/peers/groups-steps10000 "$@"
+groups --steps 10000 --eval-every 500 --output-dir docs/peers/groups-steps10000 "$@"
